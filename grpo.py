@@ -1,0 +1,115 @@
+"""GRPO's group-normalized advantages and clipped objective, as used by PODS.
+
+For a prompt q with m kept rollouts o_1..o_m (after down-sampling) and rewards r_1..r_m:
+
+    A_i = (r_i - mean(r)) / (std(r) + eps)                    advantages from the kept rewards
+
+    J(theta) = 1/m sum_i 1/|o_i| sum_t [ min(rho_it A_i, clip(rho_it, 1-eps_low, 1+eps_high) A_i)
+                                         - beta KL_it ]
+    rho_it = pi_theta(o_it | q, o_i<t) / pi_old(o_it | q, o_i<t)
+
+`grpo_loss` returns -J. PODS changes only which rollouts enter: the mean and std are those of
+the m *kept* rewards (`group_advantages` on the down-sampled groups), not of all n.
+
+Torch only. Run `python grpo.py` for a tiny worked example.
+"""
+
+from __future__ import annotations
+
+import torch
+
+
+def group_advantages(rewards: torch.Tensor, eps: float = 1e-4) -> torch.Tensor:
+    """A_i = (r_i - mean) / (std + eps) within each group; rewards shaped [groups, m].
+
+    std is the sample standard deviation (torch's default, as in TRL and the authors' code),
+    so m must be at least 2. A group whose rewards are all equal gets advantages 0.
+    """
+    if rewards.ndim != 2:
+        raise ValueError(f"rewards must be shaped [groups, m], got {tuple(rewards.shape)}")
+    if rewards.shape[1] < 2:
+        raise ValueError(f"each group needs m >= 2 rewards for a standard deviation, got m={rewards.shape[1]}")
+    rewards = rewards.float()
+    mean = rewards.mean(dim=1, keepdim=True)
+    std = rewards.std(dim=1, keepdim=True)
+    return (rewards - mean) / (std + eps)
+
+
+def token_logprobs(logits: torch.Tensor, token_ids: torch.Tensor) -> torch.Tensor:
+    """log pi(token_ids) under `logits`: [B, T, V] logits and [B, T] ids -> [B, T] log-probs.
+
+    log softmax(x)_y = x_y - logsumexp(x). Computed one sequence at a time, so no second
+    [B, T, V] tensor (a full log-softmax) is ever held in memory.
+    """
+    picked = logits.gather(dim=-1, index=token_ids.unsqueeze(-1)).squeeze(-1)
+    normalizer = torch.stack([torch.logsumexp(row, dim=-1) for row in logits])
+    return picked.float() - normalizer.float()
+
+
+def grpo_loss(
+    logprobs: torch.Tensor,
+    old_logprobs: torch.Tensor,
+    advantages: torch.Tensor,
+    mask: torch.Tensor,
+    clip_eps: float = 0.2,
+    clip_eps_high: float | None = None,
+    ref_logprobs: torch.Tensor | None = None,
+    beta: float = 0.0,
+) -> tuple[torch.Tensor, dict[str, float]]:
+    """The clipped GRPO surrogate, negated for minimisation. Shapes: [B, T] except advantages [B].
+
+    Per completion token: min(rho A, clip(rho, 1 - clip_eps, 1 + clip_eps_high) A), averaged over
+    the completion's unmasked tokens (1/|o_i|) and then over completions. `clip_eps_high`
+    defaults to `clip_eps` (symmetric clipping). With beta > 0 and `ref_logprobs`, the k3
+    estimator of KL(pi_theta || pi_ref), exp(ref - logp) - (ref - logp) - 1, is subtracted
+    per token with weight beta. The paper trains with beta = 0.
+
+    With one update per batch, old_logprobs = logprobs.detach(): rho = 1, nothing is clipped
+    and the gradient is that of REINFORCE with the group baseline,
+    -1/m sum_i A_i 1/|o_i| sum_t grad log pi(o_it).
+
+    Returns (loss, stats) with stats "clip_frac" (share of tokens where the clipped term is
+    the one the min picks and the ratio lies outside the clip range), "ratio_mean" and "kl".
+    """
+    clip_eps_high = clip_eps if clip_eps_high is None else clip_eps_high
+    keep = mask.bool()
+    mask = mask.to(logprobs.dtype)
+    # rho = exp(logp - logp_old); padded positions get rho = 1 so no inf/NaN leaks through them
+    ratio = torch.exp(torch.where(keep, logprobs - old_logprobs, torch.zeros_like(logprobs)))
+    adv = advantages.to(logprobs.dtype).unsqueeze(1)
+    unclipped = ratio * adv
+    clipped = torch.clamp(ratio, 1.0 - clip_eps, 1.0 + clip_eps_high) * adv
+    per_token = -torch.min(unclipped, clipped)
+
+    kl = None
+    if ref_logprobs is not None:
+        delta = torch.where(keep, ref_logprobs - logprobs, torch.zeros_like(logprobs))
+        kl = torch.exp(delta) - delta - 1.0
+        if beta > 0:
+            per_token = per_token + beta * kl
+
+    tokens = mask.sum(dim=1).clamp(min=1.0)  # |o_i|; an empty completion contributes 0
+    loss = ((per_token * mask).sum(dim=1) / tokens).mean()
+
+    with torch.no_grad():
+        total = mask.sum().clamp(min=1.0)
+        is_clipped = ((ratio < 1.0 - clip_eps) & (adv < 0)) | ((ratio > 1.0 + clip_eps_high) & (adv > 0))
+        stats = {
+            "clip_frac": float((is_clipped.to(mask.dtype) * mask).sum() / total),
+            "ratio_mean": float((ratio * mask).sum() / total),
+            "kl": float((kl * mask).sum() / total) if kl is not None else 0.0,
+        }
+    return loss, stats
+
+
+if __name__ == "__main__":
+    rewards = torch.tensor([[1.0, 0.0, 0.0, 1.0], [0.0, 0.0, 0.0, 0.0]])
+    advantages = group_advantages(rewards)
+    print("rewards   ", rewards.tolist())
+    print("advantages", [[round(a, 3) for a in row] for row in advantages.tolist()])
+    logprobs = torch.tensor([[-1.0, -2.0], [-0.5, -0.5], [-1.0, -1.0], [-0.1, -3.0]], requires_grad=True)
+    mask = torch.tensor([[1, 1], [1, 0], [1, 1], [1, 1]])
+    loss, stats = grpo_loss(logprobs, logprobs.detach(), advantages[0], mask)
+    loss.backward()
+    print(f"loss {loss.item():.4f}, stats {stats}")
+    print("d loss / d logprob (REINFORCE: -A_i / (m |o_i|))", logprobs.grad.tolist())

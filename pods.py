@@ -1,0 +1,178 @@
+"""Down-sampling rules of PODS: which m of the n rollouts of a prompt enter the update.
+
+Paper: Xu, Savani, Fang, Kolter, "Not All Rollouts are Useful: Down-Sampling Rollouts in
+LLM Reinforcement Learning" (arXiv 2504.13818).
+
+- Definition 3.1: a down-sampling rule maps the n rewards of one prompt's rollouts to a subset
+  of m of them. Three rules: `random_downsample`, `max_reward_downsample` and
+  `max_variance_downsample` (the one PODS recommends).
+- Lemma 3.1: the variance-maximizing subset is always the k highest plus the m - k lowest
+  rewards for some k, so one sort and a scan over k find it in O(n log n):
+  `max_variance_downsample`.
+- `downsample` applies a rule to a flat batch of groups (one group of n per prompt).
+
+Numpy only; accepts lists, numpy arrays and torch tensors. Every rule returns m distinct
+indices, sorted ascending. Ties are broken deterministically: a stable sort orders equal
+rewards by index, and when several candidates have the same variance the one with the
+smallest k (fewest "high" rollouts) wins.
+
+Run `python pods.py` for a demonstration and a timing table against brute-force enumeration.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from itertools import combinations
+from typing import Callable, Sequence
+
+import numpy as np
+
+
+def _rewards_array(rewards) -> np.ndarray:
+    """A 1-D float64 copy of `rewards` (list, numpy array or torch tensor on any device)."""
+    if hasattr(rewards, "detach"):  # a torch tensor; numpy cannot read bf16 or CUDA memory
+        rewards = rewards.detach().float().cpu().numpy()
+    r = np.asarray(rewards, dtype=np.float64)
+    if r.ndim != 1:
+        raise ValueError(f"rewards must be one-dimensional, got shape {r.shape}; pass group_size to downsample() for a batch")
+    if not np.all(np.isfinite(r)):
+        bad = r[~np.isfinite(r)]
+        raise ValueError(f"rewards must be finite, got {bad.tolist()}; check the reward function")
+    return r
+
+
+def _check_m(m: int, n: int) -> None:
+    if m < 1:
+        raise ValueError(f"m={m} must be >= 1")
+    if m > n:
+        raise ValueError(f"m={m} must be <= n={n}")
+
+
+def random_downsample(rewards, m: int, rng: np.random.Generator | None = None) -> list[int]:
+    """Definition 3.1, random rule: m indices drawn uniformly without replacement."""
+    r = _rewards_array(rewards)
+    _check_m(m, len(r))
+    rng = np.random.default_rng() if rng is None else rng
+    return sorted(rng.choice(len(r), size=m, replace=False).tolist())
+
+
+def max_reward_downsample(rewards, m: int) -> list[int]:
+    """Definition 3.1, max-reward rule: the m highest rewards (equal rewards: lower index first)."""
+    r = _rewards_array(rewards)
+    _check_m(m, len(r))
+    order = np.argsort(-r, kind="stable")
+    return sorted(order[:m].tolist())
+
+
+def max_variance_downsample(rewards, m: int) -> list[int]:
+    """Definition 3.1, max-variance rule, computed as Lemma 3.1 prescribes, in O(n log n).
+
+    Lemma 3.1: some subset of size m with the largest variance consists of the k highest
+    and the m - k lowest rewards, for some k in 0..m.
+
+    Proof (exchange argument). Let S be an optimal subset with mean mu. Swapping a chosen
+    r_i for an unchosen r_j changes the variance by
+        (b - a) * ((m - 1) b + (m + 1) a) / m^2,   with a = r_i - mu, b = r_j - mu.
+    If r_i >= mu and r_j > r_i, both factors are positive; if r_i <= mu and r_j < r_i, both
+    are negative. Either way the swap would raise the variance, so in S no unchosen reward
+    lies above a chosen one at or above the mean, nor below a chosen one at or below it:
+    the chosen rewards above the mean are the k largest, the rest the m - k smallest.
+
+    The code is the proof: sort once, then for each k the candidate is sorted[:m-k] (lowest)
+    plus sorted[n-k:] (highest). Prefix sums of r and r^2 give each candidate's variance
+    E[r^2] - E[r]^2 in O(1). Rewards are centred first, which leaves every variance unchanged
+    and keeps that difference accurate.
+    """
+    r = _rewards_array(rewards)
+    n = len(r)
+    _check_m(m, n)
+    order = np.argsort(r, kind="stable")  # ascending; equal rewards keep index order
+    x = r[order] - r.mean()
+    s1 = np.concatenate(([0.0], np.cumsum(x)))  # s1[j] = sum of the j lowest
+    s2 = np.concatenate(([0.0], np.cumsum(x * x)))
+    k = np.arange(m + 1)  # number taken from the top
+    low, high = m - k, n - k  # candidate k: sorted[:low] and sorted[high:]
+    sum1 = s1[low] + (s1[n] - s1[high])
+    sum2 = s2[low] + (s2[n] - s2[high])
+    variance = sum2 / m - (sum1 / m) ** 2
+    best = int(np.argmax(variance))  # first maximum: smallest k
+    chosen = np.concatenate((order[: m - best], order[n - best :]))
+    return sorted(chosen.tolist())
+
+
+Rule = Callable[..., list[int]]
+RULES: dict[str, Rule] = {
+    "random": random_downsample,
+    "max_reward": max_reward_downsample,
+    "max_variance": max_variance_downsample,
+}
+
+
+def downsample(
+    rewards,
+    m: int,
+    rule: str = "max_variance",
+    group_size: int | None = None,
+    rng: np.random.Generator | None = None,
+) -> list[int]:
+    """Apply a Definition 3.1 rule to each group of a flat batch and return flat indices.
+
+    With `group_size=n`, `rewards` holds B groups of n rewards back to back (one group per
+    prompt); the rule keeps m of each group. The result lists the kept indices into the flat
+    batch, group by group, ascending. Without `group_size` the whole vector is one group.
+    `rng` is used only by the random rule.
+    """
+    if rule not in RULES:
+        raise ValueError(f"unknown rule {rule!r}; known rules: {', '.join(sorted(RULES))}")
+    r = _rewards_array(rewards)
+    n = len(r) if group_size is None else group_size
+    if n < 1:
+        raise ValueError(f"group_size={n} must be >= 1")
+    if len(r) % n != 0:
+        raise ValueError(f"a batch of {len(r)} rewards is not a whole number of groups of group_size={n}")
+    _check_m(m, n)
+    kept: list[int] = []
+    for start in range(0, len(r), n):
+        group = r[start : start + n]
+        picked = RULES[rule](group, m, rng=rng) if rule == "random" else RULES[rule](group, m)
+        kept.extend(start + i for i in picked)
+    return kept
+
+
+def brute_force_max_variance(rewards: Sequence[float], m: int) -> float:
+    """The largest variance over all C(n, m) subsets: the reference Lemma 3.1 is checked against."""
+    r = _rewards_array(rewards)
+    _check_m(m, len(r))
+    subsets = np.array(list(combinations(range(len(r)), m)))
+    return float(r[subsets].var(axis=1).max())
+
+
+def _demo() -> None:
+    rewards = np.array([1.0, 0.0, 0.2, 1.2, 0.0, 1.0, 0.1, 0.0])
+    m = 4
+    print(f"rewards (n={len(rewards)}): {rewards.tolist()}, keep m={m}")
+    rng = np.random.default_rng(0)
+    for name in RULES:
+        kept = downsample(rewards, m, name, rng=rng)
+        print(f"  {name:<13} keeps {kept} -> rewards {rewards[kept].tolist()}, variance {rewards[kept].var():.4f}")
+    print(f"  brute force best variance over C({len(rewards)},{m}) subsets: {brute_force_max_variance(rewards, m):.4f}")
+
+    print("\nmax_variance_downsample (Lemma 3.1, O(n log n)) against brute-force enumeration, m = n/2:")
+    print(f"  {'n':>6}  {'lemma 3.1':>11}  {'brute force':>14}")
+    for n in (16, 64, 256, 1024, 4096, 16384, 65536):
+        r = np.random.default_rng(n).random(n)
+        start = time.perf_counter()
+        max_variance_downsample(r, n // 2)
+        fast = time.perf_counter() - start
+        if n <= 16:
+            start = time.perf_counter()
+            brute_force_max_variance(r, n // 2)
+            naive = f"{time.perf_counter() - start:12.4f} s"
+        else:
+            naive = f"C(n,m)=1e{math.log10(math.comb(n, n // 2)):.0f}"
+        print(f"  {n:>6}  {fast * 1e3:8.3f} ms  {naive:>14}")
+
+
+if __name__ == "__main__":
+    _demo()

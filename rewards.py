@@ -1,0 +1,135 @@
+"""The rule-based reward of the paper: correctness of the final answer plus a small format bonus.
+
+The paper (Section 5) trains with a verifiable reward: 1 for a correct final answer, plus
+credit for answering in the requested format
+
+    <think> reasoning </think>
+    <answer> final answer </answer>
+
+The answer is the content of the last <answer>...</answer>; when there is none we fall back to
+the last number in the completion, as the authors' code does. Numbers are compared after
+normalization ("$1,000.00" == "1000", "3/4" == "0.75", "12 apples" == "12").
+
+Standard library only. No input string makes any function here raise, except
+`parse_gsm8k_solution`, which reads the dataset and rejects a row without "#### N".
+
+Run `python rewards.py` to see a few completions scored.
+"""
+
+from __future__ import annotations
+
+import re
+from fractions import Fraction
+
+CORRECT_REWARD = 1.0  # a correct final answer
+STRUCTURE_REWARD = 0.1  # the whole completion is <think>...</think> <answer>...</answer>
+TAG_REWARD = 0.025  # each of the four tags present exactly once (0.1 for all four)
+TAGS = ("<think>", "</think>", "<answer>", "</answer>")
+
+MAX_NUMBER_CHARS = 64  # longer digit strings are not answers; also keeps int() within limits
+
+_ANSWER = re.compile(r"<answer>(.*?)</answer>", re.DOTALL)
+_STRUCTURE = re.compile(r"^\s*<think>.*?</think>\s*<answer>.*?</answer>\s*$", re.DOTALL)
+# A number: optional minus (not after a word character, so "5-3" reads as 5 and 3), digits
+# with optional thousands commas ("1,000" but not "1,2"), optional decimals, optional "/denominator"; or ".5".
+_NUMBER = re.compile(r"(?:(?<![\w)])-\s?)?(?:(?:\d{1,3}(?:,\d{3})+(?!\d)|\d+)(?:\.\d+)?(?:\s?/\s?\d+)?|\.\d+)")
+
+
+def _numbers(text: str) -> list[str]:
+    return _NUMBER.findall(text.replace("$", ""))
+
+
+def normalize_number(s: str | None) -> str | None:
+    """The last number in `s` in canonical form, or None if there is none.
+
+    Tolerates "$", thousands commas, "%", a trailing ".", units and words around the number.
+    "12.0" and "12" both give "12", "-3.50" gives "-3.5", "3/4" and "0.75" both give "0.75",
+    "1/3" gives "1/3" (a fraction without a finite decimal stays a fraction).
+    """
+    if not s:
+        return None
+    found = _numbers(s)
+    if not found:
+        return None
+    token = re.sub(r"[\s,]", "", found[-1])
+    if len(token) > MAX_NUMBER_CHARS:
+        return None
+    numerator, _, denominator = token.partition("/")
+    if denominator and int(denominator) == 0:
+        return None
+    value = Fraction(numerator) / Fraction(denominator or 1)
+    return _canonical(value)
+
+
+def _canonical(value: Fraction) -> str:
+    """Integers as "12", finite decimals as "0.75", anything else as "1/3"."""
+    if value.denominator == 1:
+        return str(value.numerator)
+    q, twos, fives = value.denominator, 0, 0
+    while q % 2 == 0:
+        q, twos = q // 2, twos + 1
+    while q % 5 == 0:
+        q, fives = q // 5, fives + 1
+    if q != 1:
+        return f"{value.numerator}/{value.denominator}"
+    places = max(twos, fives)
+    scaled = abs(value.numerator) * 10**places // value.denominator
+    sign = "-" if value < 0 else ""
+    digits = str(scaled).rjust(places + 1, "0")
+    return f"{sign}{digits[:-places]}.{digits[-places:]}".rstrip("0")
+
+
+def parse_gsm8k_solution(text: str) -> str:
+    """The final answer of a GSM8K reference solution: the number after "####", normalized.
+
+    "... #### 1,000" gives "1000". Raises ValueError when the text has no "#### <number>".
+    """
+    _, marker, tail = text.rpartition("####")
+    answer = normalize_number(tail) if marker else None
+    if answer is None:
+        raise ValueError(f"a GSM8K solution must end in '#### <number>', got {text[-60:]!r}")
+    return answer
+
+
+def extract_answer(completion: str) -> str | None:
+    """The model's final answer: the content of the last <answer>...</answer>, else the last number.
+
+    None when there is neither a closed answer tag nor any number in the completion.
+    """
+    tagged = _ANSWER.findall(completion)
+    if tagged:
+        return tagged[-1].strip()
+    found = _numbers(completion)
+    return found[-1].strip() if found else None
+
+
+def correctness_reward(completion: str, answer: str) -> float:
+    """CORRECT_REWARD if the extracted answer equals `answer` as a number, else 0.0."""
+    predicted = normalize_number(extract_answer(completion))
+    return CORRECT_REWARD if predicted is not None and predicted == normalize_number(answer) else 0.0
+
+
+def format_reward(completion: str) -> float:
+    """STRUCTURE_REWARD when the whole completion is <think>..</think><answer>..</answer> with
+    each tag once, plus TAG_REWARD for each of the four tags that appears exactly once.
+    At most 0.2."""
+    once = [completion.count(tag) == 1 for tag in TAGS]
+    structured = all(once) and _STRUCTURE.match(completion) is not None
+    return (STRUCTURE_REWARD if structured else 0.0) + TAG_REWARD * sum(once)
+
+
+def reward(completion: str, answer: str) -> float:
+    """The paper's rule-based reward: correctness plus format."""
+    return correctness_reward(completion, answer) + format_reward(completion)
+
+
+if __name__ == "__main__":
+    examples = [
+        ("<think>48 / 2 = 24, 48 + 24 = 72</think>\n<answer>72</answer>", "72"),
+        ("<think>48 + 24</think><answer>$72.00</answer>", "72"),
+        ("She sold 48 + 24 = 72 clips.", "72"),
+        ("<think>half of 48 is 24</think><answer>24</answer>", "72"),
+        ("<think>48 + 24 = 72 so the answer is", "72"),
+    ]
+    for completion, answer in examples:
+        print(f"{reward(completion, answer):.3f}  answer={answer:<4} {completion!r}")

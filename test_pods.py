@@ -1,0 +1,361 @@
+"""Tests for the whole project: `pytest -q test_pods.py` (add `-m "not slow"` to skip model runs).
+
+Sections follow the files: pods.py (Definition 3.1, Lemma 3.1), rewards.py, grpo.py,
+then sampling/train/eval on tiny and embedded models.
+"""
+
+from __future__ import annotations
+
+import itertools
+import json
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+import grpo
+import pods
+import rewards
+
+GSM8K_DIR = Path(__file__).resolve().parent.parent / "shared" / "data" / "gsm8k"
+
+
+# ----------------------------------------------------------------------------- pods.py
+
+
+def reward_families(n: int, rng: np.random.Generator) -> dict[str, np.ndarray]:
+    return {
+        "real": rng.normal(size=n),
+        "integer": rng.integers(-3, 4, size=n).astype(float),
+        "binary": rng.integers(0, 2, size=n).astype(float),
+        "tied": rng.choice([0.0, 0.2, 1.0, 1.2], size=n, p=[0.55, 0.05, 0.35, 0.05]),
+        "all_equal": np.full(n, 0.7),
+    }
+
+
+def is_top_bottom_shape(r: np.ndarray, kept: list[int]) -> bool:
+    """Lemma 3.1's shape: the kept rewards are, as a multiset, the m-k lowest plus the k highest."""
+    m, s = len(kept), np.sort(r)
+    kept_sorted = np.sort(r[kept])
+    return any(np.array_equal(kept_sorted, np.sort(np.concatenate((s[: m - k], s[len(r) - k :])))) for k in range(m + 1))
+
+
+def test_max_variance_equals_brute_force_for_every_n_up_to_10_and_every_m():
+    rng = np.random.default_rng(0)
+    for n in range(1, 11):
+        for trial in range(3):
+            for family, r in reward_families(n, rng).items():
+                for m in range(1, n + 1):
+                    kept = pods.max_variance_downsample(r, m)
+                    best = pods.brute_force_max_variance(r, m)
+                    assert np.isclose(r[kept].var(), best, rtol=1e-9, atol=1e-12), (family, n, m, r)
+                    assert is_top_bottom_shape(r, kept), (family, n, m, r, kept)
+
+
+def test_brute_force_reference_enumerates_every_subset():
+    r = [0.0, 1.0, 5.0, 2.0]
+    assert pods.brute_force_max_variance(r, 2) == pytest.approx(6.25)  # {0, 5}
+    assert pods.brute_force_max_variance(r, 3) == pytest.approx(np.var([0.0, 1.0, 5.0]))
+
+
+def test_max_variance_takes_extremes_of_binary_rewards_in_equal_halves():
+    r = [1, 1, 1, 1, 1, 0, 1, 0]
+    kept = pods.max_variance_downsample(r, 4)
+    assert sorted(np.asarray(r)[kept]) == [0, 0, 1, 1]
+    # k = 0, 1, 2 all give {0, 0, 1, 1}; the smallest k wins: the four lowest, 5, 7, 0, 1
+    assert kept == [0, 1, 5, 7]
+
+
+def test_max_variance_is_stable_under_large_offsets():
+    r = np.array([0.0, 1.0, 0.0, 1.0, 0.5, 0.5]) + 1e9
+    kept = pods.max_variance_downsample(r, 4)
+    assert sorted((r[kept] - 1e9).tolist()) == [0.0, 0.0, 1.0, 1.0]
+
+
+def test_ties_are_broken_by_index_and_smallest_k():
+    assert pods.max_variance_downsample([0.5, 0.5, 0.5, 0.5], 2) == [0, 1]
+    assert pods.max_reward_downsample([1, 0, 1, 1], 2) == [0, 2]
+    assert pods.max_variance_downsample([0, 1, 0, 1, 0, 1], 2) == [0, 5]
+
+
+def test_max_reward_keeps_the_highest():
+    assert pods.max_reward_downsample([0.1, 0.9, 0.5, 0.7], 2) == [1, 3]
+
+
+def test_accepts_lists_numpy_and_torch():
+    r = [0.0, 1.0, 0.3, 0.9, 0.2, 1.0]
+    expected = pods.max_variance_downsample(r, 4)
+    assert pods.max_variance_downsample(np.array(r), 4) == expected
+    assert pods.max_variance_downsample(torch.tensor(r), 4) == expected
+    assert pods.max_variance_downsample(torch.tensor(r, dtype=torch.bfloat16), 4) == expected
+
+
+@pytest.mark.parametrize("rule", sorted(pods.RULES))
+def test_every_rule_returns_m_distinct_sorted_indices(rule):
+    rng = np.random.default_rng(1)
+    for n in (1, 2, 5, 16):
+        for m in range(1, n + 1):
+            r = rng.normal(size=n)
+            kept = pods.downsample(r, m, rule, rng=rng)
+            assert len(kept) == m and len(set(kept)) == m
+            assert kept == sorted(kept) and all(0 <= i < n for i in kept)
+        assert pods.downsample(rng.normal(size=n), n, rule, rng=rng) == list(range(n))
+
+
+@pytest.mark.parametrize("rule", sorted(pods.RULES))
+def test_downsample_selects_m_per_group_in_a_flat_batch(rule):
+    r = np.array([[0, 1, 0, 1], [5, 5, 5, 9], [3, 2, 1, 0]], dtype=float)
+    kept = pods.downsample(r.ravel(), 2, rule, group_size=4, rng=np.random.default_rng(0))
+    assert len(kept) == 6 and len(set(kept)) == 6
+    for g in range(3):
+        assert all(4 * g <= i < 4 * g + 4 for i in kept[2 * g : 2 * g + 2])
+
+
+def test_downsample_groupwise_matches_rule_on_each_group():
+    r = np.array([0, 1, 0, 1, 5, 5, 5, 9, 3, 2, 1, 0], dtype=float)
+    assert pods.downsample(r, 2, "max_variance", group_size=4) == [0, 3, 4, 7, 8, 11]
+    assert pods.downsample(r, 2, "max_reward", group_size=4) == [1, 3, 4, 7, 8, 9]
+
+
+def test_random_rule_is_reproducible_with_a_seeded_generator():
+    r = np.arange(10.0)
+    a = pods.downsample(r, 3, "random", rng=np.random.default_rng(7))
+    b = pods.downsample(r, 3, "random", rng=np.random.default_rng(7))
+    assert a == b
+
+
+@pytest.mark.parametrize(
+    "call, message",
+    [
+        (lambda: pods.max_variance_downsample([1.0, 2.0], 0), "m=0 must be >= 1"),
+        (lambda: pods.max_reward_downsample([1.0, 2.0], 3), "m=3 must be <= n=2"),
+        (lambda: pods.downsample([1.0, 2.0, 3.0], 1, group_size=2), "a batch of 3 rewards is not a whole number of groups of group_size=2"),
+        (lambda: pods.downsample([1.0, float("nan")], 1), "rewards must be finite, got [nan]"),
+        (lambda: pods.random_downsample([1.0, float("inf")], 1), "rewards must be finite, got [inf]"),
+        (lambda: pods.downsample([1.0, 2.0], 1, rule="best"), "unknown rule 'best'; known rules: max_reward, max_variance, random"),
+        (lambda: pods.downsample([1.0, 2.0], 3, group_size=2), "m=3 must be <= n=2"),
+    ],
+)
+def test_bad_input_raises_a_value_error_naming_the_values(call, message):
+    with pytest.raises(ValueError) as err:
+        call()
+    assert message in str(err.value)
+
+
+# ----------------------------------------------------------------------------- rewards.py
+
+FULL = rewards.CORRECT_REWARD + rewards.STRUCTURE_REWARD + 4 * rewards.TAG_REWARD
+TAGS_ONLY = rewards.STRUCTURE_REWARD + 4 * rewards.TAG_REWARD
+
+REWARD_TABLE = [
+    # (completion, answer, expected reward)
+    ("<think>48/2 = 24. 48 + 24 = 72</think>\n<answer>72</answer>", "72", FULL),
+    ("<think>\nreasoning\n</think>\n<answer>\n72\n</answer>\n", "72", FULL),
+    ("<think>48 + 24</think><answer>$72.00</answer>", "72", FULL),
+    ("<think>...</think><answer>1,000</answer>", "1000", FULL),
+    ("<think>...</think><answer>$1,000,000</answer>", "1000000", FULL),
+    ("<think>...</think><answer>72 clips</answer>", "72", FULL),
+    ("<think>...</think><answer>The answer is 72.</answer>", "72", FULL),
+    ("<think>...</think><answer>12.50</answer>", "12.5", FULL),
+    ("<think>...</think><answer>-3</answer>", "-3", FULL),
+    ("<think>...</think><answer>3/4</answer>", "0.75", FULL),
+    ("<think>...</think><answer>25%</answer>", "25", FULL),
+    ("<think>...</think><answer>18.0</answer>", "18", FULL),
+    ("<think>so 5 + 7 = 12</think><answer>12</answer>", "12", FULL),
+    ("<think>48/2 = 24</think><answer>24</answer>", "72", TAGS_ONLY),
+    ("<think>I am unsure</think><answer>many</answer>", "72", TAGS_ONLY),
+    ("<think>...</think><answer></answer>", "72", TAGS_ONLY),
+    ("<think>...</think><answer>7</answer><answer>72</answer>", "72", 1.0 + 2 * rewards.TAG_REWARD),
+    ("<think>...</think><answer>72</answer><answer>7</answer>", "72", 2 * rewards.TAG_REWARD),
+    ("She sold 48 + 24 = 72 clips.", "72", 1.0),
+    ("72", "72", 1.0),
+    ("The answer is $1,250.", "1250", 1.0),
+    ("The answer is 12. Then 5 more.", "12", 0.0),
+    ("I cannot solve this.", "72", 0.0),
+    ("", "72", 0.0),
+    ("<answer>72</answer>", "72", 1.0 + 2 * rewards.TAG_REWARD),
+    ("<think>48 + 24 = 72 so the answer is", "72", 1.0 + rewards.TAG_REWARD),
+    ("<think>48 + 24 = 7", "72", rewards.TAG_REWARD),
+    ("<think>...</think><answer>72", "72", 1.0 + 3 * rewards.TAG_REWARD),
+    ("<think>...</think>\nThe answer is 72", "72", 1.0 + 2 * rewards.TAG_REWARD),
+    ("Answer: 72 <answer>70</answer>", "72", 2 * rewards.TAG_REWARD),
+    ("<think>a</think><answer>72</answer> extra text", "72", 1.0 + 4 * rewards.TAG_REWARD),
+    ("<answer>72</answer><think>late</think>", "72", 1.0 + 4 * rewards.TAG_REWARD),
+    ("<think><think>x</think><answer>72</answer>", "72", 1.0 + 3 * rewards.TAG_REWARD),
+    ("5 - 3 = 2", "2", 1.0),
+    ("The temperature is -5 degrees", "-5", 1.0),
+    ("<think>...</think><answer>0.5</answer>", "1/2", FULL),
+]
+
+
+@pytest.mark.parametrize("completion, answer, expected", REWARD_TABLE)
+def test_reward_table(completion, answer, expected):
+    assert rewards.reward(completion, answer) == pytest.approx(expected)
+
+
+@pytest.mark.parametrize(
+    "text, expected",
+    [
+        ("$1,000.00", "1000"), ("12%", "12"), ("12.", "12"), ("12.0", "12"), ("-3.50", "-3.5"),
+        ("3/4", "0.75"), ("1/3", "1/3"), ("6/3", "2"), ("4/0", None), ("about 12 apples", "12"),
+        ("1,2", "2"), ("none", None), ("", None), (None, None), ("-0", "0"), (".5", "0.5"),
+        ("0.125", "0.125"), ("007", "7"), ("1" * 100, None),
+    ],
+)
+def test_normalize_number(text, expected):
+    assert rewards.normalize_number(text) == expected
+
+
+def test_extract_answer_prefers_the_last_answer_tag_then_the_last_number():
+    assert rewards.extract_answer("<answer>1</answer> then <answer> 2 </answer>") == "2"
+    assert rewards.extract_answer("it is 3, no 4") == "4"
+    assert rewards.extract_answer("no numbers") is None
+    assert rewards.extract_answer("<answer>many</answer> 5") == "many"
+
+
+def test_parse_gsm8k_solution():
+    assert rewards.parse_gsm8k_solution("3 + 4 = <<3+4=7>>7\n#### 7") == "7"
+    assert rewards.parse_gsm8k_solution("...\n#### 1,000") == "1000"
+    with pytest.raises(ValueError, match="must end in '#### <number>'"):
+        rewards.parse_gsm8k_solution("no marker here")
+
+
+@pytest.mark.skipif(not GSM8K_DIR.exists(), reason="GSM8K files not present in ../shared/data/gsm8k")
+def test_every_gsm8k_row_parses_to_a_number():
+    rows = 0
+    for split in ("train", "test"):
+        with open(GSM8K_DIR / f"{split}.jsonl") as f:
+            for line in f:
+                row = json.loads(line)
+                answer = rewards.parse_gsm8k_solution(row["answer"])
+                assert rewards.normalize_number(answer) == answer
+                assert rewards.correctness_reward(f"<answer>{answer}</answer>", answer) == 1.0
+                rows += 1
+    assert rows == 7473 + 1319
+
+
+@settings(max_examples=400, deadline=None)
+@given(st.text(), st.text())
+def test_no_text_makes_the_reward_functions_raise(completion, answer):
+    value = rewards.reward(completion, answer)
+    assert 0.0 <= value <= FULL
+    rewards.extract_answer(completion)
+    rewards.normalize_number(completion)
+
+
+@settings(max_examples=200, deadline=None)
+@given(st.lists(st.sampled_from(["<think>", "</think>", "<answer>", "</answer>", "12", "-", "/", "0", ",", ".", "$", " ", "x"]), max_size=30))
+def test_no_tag_soup_makes_the_reward_functions_raise(parts):
+    text = "".join(parts)
+    assert 0.0 <= rewards.reward(text, "12") <= FULL
+
+
+# ----------------------------------------------------------------------------- grpo.py
+
+
+def test_group_advantages_hand_computed():
+    adv = grpo.group_advantages(torch.tensor([[1.0, 0.0, 0.0, 1.0], [2.0, 2.0, 2.0, 2.0]]), eps=0.0)
+    s = np.std([1, 0, 0, 1], ddof=1)  # 0.57735
+    assert torch.allclose(adv[0], torch.tensor([0.5, -0.5, -0.5, 0.5]) / s)
+    assert torch.equal(grpo.group_advantages(torch.tensor([[2.0, 2.0, 2.0]])), torch.zeros(1, 3))
+
+
+def test_group_advantages_rejects_groups_of_one():
+    with pytest.raises(ValueError, match="m >= 2"):
+        grpo.group_advantages(torch.tensor([[1.0], [0.0]]))
+
+
+def test_token_logprobs_matches_log_softmax():
+    logits = torch.randn(3, 5, 11)
+    ids = torch.randint(0, 11, (3, 5))
+    expected = torch.log_softmax(logits, -1).gather(-1, ids.unsqueeze(-1)).squeeze(-1)
+    assert torch.allclose(grpo.token_logprobs(logits, ids), expected, atol=1e-6)
+
+
+def test_grpo_loss_hand_computed():
+    logprobs = torch.tensor([[-1.0, -1.0], [-2.0, -2.0]])
+    old = torch.tensor([[-1.0, -1.0 - np.log(2.0)], [-2.0, -2.0]])  # token (0,1): ratio 2
+    adv = torch.tensor([1.0, -1.0])
+    mask = torch.tensor([[1, 1], [1, 0]])
+    loss, stats = grpo.grpo_loss(logprobs, old, adv, mask, clip_eps=0.2)
+    # completion 0: tokens give min(1*1, 1*1)=1 and min(2*1, 1.2*1)=1.2 -> mean 1.1
+    # completion 1: one token, ratio 1, A=-1 -> -1
+    assert loss.item() == pytest.approx(-(1.1 + -1.0) / 2)
+    assert stats["clip_frac"] == pytest.approx(1 / 3)
+    assert stats["ratio_mean"] == pytest.approx((1 + 2 + 1) / 3)
+    assert stats["kl"] == 0.0
+
+
+def test_grpo_loss_with_kl_penalty_uses_k3_estimator():
+    logprobs = torch.tensor([[-1.0]])
+    ref = torch.tensor([[-1.5]])
+    loss, stats = grpo.grpo_loss(logprobs, logprobs, torch.tensor([0.0]), torch.ones(1, 1), ref_logprobs=ref, beta=0.1)
+    k3 = np.exp(-0.5) + 0.5 - 1
+    assert stats["kl"] == pytest.approx(k3)
+    assert loss.item() == pytest.approx(0.1 * k3)
+
+
+def test_one_update_per_batch_is_reinforce_with_group_baseline():
+    logprobs = torch.tensor([[-1.0, -2.0, -3.0], [-0.5, -0.5, -0.5]], requires_grad=True)
+    adv = torch.tensor([2.0, -1.0])
+    mask = torch.tensor([[1, 1, 1], [1, 1, 0]])
+    loss, _ = grpo.grpo_loss(logprobs, logprobs.detach(), adv, mask)
+    loss.backward()
+    expected = torch.tensor([[-2 / 6] * 3, [1 / 4, 1 / 4, 0.0]])  # -A_i / (m |o_i|)
+    assert torch.allclose(logprobs.grad, expected)
+
+
+def test_masked_tokens_contribute_nothing():
+    logprobs = torch.randn(2, 4, requires_grad=True)
+    mask = torch.tensor([[1, 1, 0, 0], [1, 0, 0, 0]])
+    loss, _ = grpo.grpo_loss(logprobs, logprobs.detach() + 0.1, torch.tensor([1.0, -1.0]), mask)
+    loss.backward()
+    assert torch.all(logprobs.grad[mask == 0] == 0)
+    changed = logprobs.detach().clone()
+    changed[mask == 0] = 100.0
+    loss2, _ = grpo.grpo_loss(changed, logprobs.detach() + 0.1, torch.tensor([1.0, -1.0]), mask)
+    assert loss2.item() == pytest.approx(loss.item())
+
+
+@pytest.mark.parametrize(
+    "log_ratio, advantage, has_gradient",
+    [
+        (np.log(1.5), 1.0, False),  # above 1+eps with A>0: clipped, no gradient
+        (np.log(1.5), -1.0, True),  # above 1+eps with A<0: min picks unclipped
+        (np.log(0.5), -1.0, False),  # below 1-eps with A<0: clipped
+        (np.log(0.5), 1.0, True),  # below 1-eps with A>0: unclipped
+        (np.log(1.1), 1.0, True),  # inside the range
+    ],
+)
+def test_clipping_zeroes_the_gradient_on_the_side_the_min_picks(log_ratio, advantage, has_gradient):
+    logprobs = torch.tensor([[-1.0]], requires_grad=True)
+    old = torch.tensor([[-1.0 - log_ratio]], dtype=torch.float32)
+    loss, _ = grpo.grpo_loss(logprobs, old, torch.tensor([advantage]), torch.ones(1, 1), clip_eps=0.2)
+    loss.backward()
+    assert (logprobs.grad.abs().item() > 0) == has_gradient
+
+
+def test_asymmetric_clip_high():
+    logprobs = torch.tensor([[-1.0]], requires_grad=True)
+    old = torch.tensor([[-1.0 - np.log(1.25)]], dtype=torch.float32)
+    loss, _ = grpo.grpo_loss(logprobs, old, torch.tensor([1.0]), torch.ones(1, 1), clip_eps=0.2, clip_eps_high=0.28)
+    loss.backward()
+    assert logprobs.grad.item() != 0  # ratio 1.25 < 1.28: not clipped
+
+
+@pytest.mark.parametrize("advantage, direction", [(1.0, 1), (-1.0, -1)])
+def test_one_sgd_step_moves_the_logprob_with_the_sign_of_the_advantage(advantage, direction):
+    torch.manual_seed(0)
+    logits = torch.randn(1, 4, 7, requires_grad=True)
+    ids = torch.tensor([[1, 3, 5, 0]])
+    before = grpo.token_logprobs(logits, ids).detach()
+    lp = grpo.token_logprobs(logits, ids)
+    loss, _ = grpo.grpo_loss(lp, lp.detach(), torch.tensor([advantage]), torch.ones(1, 4))
+    loss.backward()
+    with torch.no_grad():
+        logits -= 0.5 * logits.grad
+    after = grpo.token_logprobs(logits, ids).detach()
+    assert torch.all(torch.sign(after - before) == direction)
