@@ -591,3 +591,106 @@ def test_embedded_model_trains_one_step_on_arithmetic(tmp_path):
     (row,) = read_metrics(out)
     assert row["completion_len"] > 0 and 0.0 <= row["accuracy"] <= 1.0
     assert (out / "checkpoint-1" / "adapter_model.safetensors").exists()
+
+
+# ----------------------------------------------------------------------------- eval.py
+
+import eval as evaluation  # noqa: E402  (eval.py; `eval` is a builtin name)
+
+
+@pytest.fixture(scope="session")
+def tiny_run(tiny_model_dir, tmp_path_factory) -> Path:
+    out = tmp_path_factory.mktemp("tiny_run") / "run"
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(train.rewards, "reward", length_reward)
+        assert train.main(tiny_args(tiny_model_dir, out, "--steps", "2", "--save-every-steps", "1")) == 0
+    return out
+
+
+def test_eval_writes_accuracy_with_standard_error_and_skips_done_checkpoints(tiny_run, caplog):
+    argv = [str(tiny_run), "--dataset", "arith", "--limit", "3", "--repeats", "2", "--samples", "2", "--max-new-tokens", "4"]
+    assert evaluation.main(argv) == 0
+    results = json.loads((tiny_run / "eval-arith.json").read_text())
+    assert results["settings"]["repeats"] == 2 and results["settings"]["dataset"] == "arith"
+    rows = results["results"]
+    assert [r["checkpoint"] for r in rows] == ["base", "checkpoint-1", "checkpoint-2"]
+    assert [r["step"] for r in rows] == [0, 1, 2] and rows[0]["elapsed_s"] == 0.0 and rows[2]["elapsed_s"] > rows[1]["elapsed_s"] > 0
+    for r in rows:
+        assert len(r["accuracies"]) == 2 and 0 <= r["accuracy"] <= 1 and 0 <= r["format_rate"] <= 1
+        assert r["accuracy_se"] == pytest.approx(np.std(r["accuracies"], ddof=1) / np.sqrt(2))
+    assert (tiny_run / "eval-arith.csv").read_text().splitlines()[0] == "checkpoint,step,elapsed_s,accuracy,accuracy_se,format_rate"
+    caplog.clear()
+    with caplog.at_level("INFO", logger="pods"):
+        assert evaluation.main(argv) == 0
+    assert "0 to evaluate, 3 already in" in caplog.text
+
+
+def test_eval_refuses_results_made_with_other_settings(tiny_run, capsys):
+    argv = [str(tiny_run), "--dataset", "arith", "--limit", "3", "--repeats", "2", "--max-new-tokens", "4", "--out", str(tiny_run / "other.json")]
+    assert evaluation.main(argv) == 0
+    assert evaluation.main([*argv[:2], "gsm8k", *argv[3:]]) == 2
+    assert "holds results made with other settings {'dataset': 'arith'}" in capsys.readouterr().err
+
+
+def test_eval_of_a_path_without_checkpoints_exits_2(tmp_path, capsys):
+    run = tmp_path / "run"
+    run.mkdir()
+    (run / "config.json").write_text(json.dumps({"model_resolved": "embedded", "rule": "none", "n": 4, "m": 4}))
+    assert evaluation.main([str(run)]) == 2
+    assert "has no checkpoint-STEP directories" in capsys.readouterr().err
+    assert evaluation.main([str(tmp_path)]) == 2
+    assert "is neither a run directory" in capsys.readouterr().err
+
+
+def test_time_to_reach_is_the_first_time_at_or_above_the_target():
+    assert evaluation.time_to_reach([0, 60, 120, 180], [0.1, 0.5, 0.4, 0.6], 0.5) == 60
+    assert evaluation.time_to_reach([0, 60], [0.1, 0.2], 0.5) is None
+
+
+def test_speedups_on_synthetic_curves():
+    curves = {
+        "GRPO n=8": ([0, 100, 200, 300], [0.2, 0.4, 0.6, 0.5]),  # peak 0.6 at 200 s
+        "PODS max_variance n=16 m=8": ([0, 50, 100, 150], [0.2, 0.5, 0.6, 0.7]),  # reaches 0.6 at 100 s
+        "PODS random n=16 m=8": ([0, 100, 200], [0.2, 0.3, 0.4]),  # never
+    }
+    peak, t_base, others = evaluation.speedups(curves, "GRPO n=8")
+    assert (peak, t_base) == (0.6, 200)
+    assert others == {"PODS max_variance n=16 m=8": 100, "PODS random n=16 m=8": None}
+
+
+def test_mean_curve_interpolates_seeds_onto_a_common_grid():
+    t, mean, se = evaluation.mean_curve([([0, 10, 20], [0.0, 1.0, 1.0]), ([0, 20, 30], [0.0, 0.0, 1.0])])
+    assert t == [0, 10, 20]
+    assert mean == pytest.approx([0.0, 0.5, 0.5])
+    assert se[1] == pytest.approx(0.5)
+
+
+def fake_run(root: Path, name: str, rule: str, n: int, m: int, curve: list[tuple[float, float]]) -> Path:
+    run = root / name
+    run.mkdir()
+    (run / "config.json").write_text(json.dumps({"model_resolved": "embedded", "rule": rule, "n": n, "m": m}))
+    results = [{"checkpoint": f"checkpoint-{i}", "step": i, "elapsed_s": t, "accuracy": a, "accuracy_se": 0.0,
+                "accuracies": [a], "format_rate": 0.0} for i, (t, a) in enumerate(curve)]
+    (run / "eval-arith.json").write_text(json.dumps({"settings": {}, "results": results}))
+    return run
+
+
+def test_plot_writes_a_png_and_prints_the_speedup_table(tmp_path, capsys):
+    grpo_run = fake_run(tmp_path, "grpo", "none", 8, 8, [(0, 0.2), (120, 0.4), (240, 0.6)])
+    pods_run = fake_run(tmp_path, "pods", "max_variance", 16, 8, [(0, 0.2), (60, 0.5), (120, 0.65)])
+    never = fake_run(tmp_path, "rand", "random", 16, 8, [(0, 0.2), (60, 0.3), (120, 0.35)])
+    png = tmp_path / "fig.png"
+    assert evaluation.main(["--plot", str(grpo_run), str(pods_run), str(never), "--out", str(png)]) == 0
+    assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and png.stat().st_size > 5000
+    out = capsys.readouterr().out
+    assert "baseline GRPO n=8: peak accuracy 0.600, first reached at 4.0 min" in out
+    assert "PODS max_variance n=16 m=8" in out and "2.0 min" in out and "2.00x" in out
+    assert "never reached" in out
+
+
+def test_plot_with_nothing_to_compare_exits_2(tmp_path, capsys):
+    a = fake_run(tmp_path, "a", "none", 8, 8, [(0, 0.2), (60, 0.3)])
+    b = fake_run(tmp_path, "b", "none", 8, 8, [(0, 0.2), (60, 0.4)])
+    assert evaluation.main(["--plot", str(a), str(b), "--out", str(tmp_path / "f.png")]) == 2
+    assert "nothing to compare" in capsys.readouterr().err
+    assert evaluation.main(["--plot", str(tmp_path / "nope"), "--out", str(tmp_path / "f.png")]) == 2

@@ -1,0 +1,354 @@
+"""Evaluate checkpoints on a test set, and plot test accuracy against training time.
+
+The paper's claim is about time: GRPO-PODS reaches vanilla GRPO's peak test accuracy at least
+1.7x sooner (Figure 1 / Section 5). This file measures that on your own runs.
+
+    python eval.py runs/pods --dataset arith --repeats 5       # every checkpoint of a run
+    python eval.py runs/pods/checkpoint-50 --dataset gsm8k      # one checkpoint
+    python eval.py embedded --dataset arith                     # a base model
+    python eval.py --plot runs/grpo-s0 runs/grpo-s1 runs/pods-s0 runs/pods-s1 --out fig.png
+
+Scoring uses the training prompt (sampling.build_prompt) and rewards.py, so train and test
+accuracy mean the same thing. Each checkpoint is evaluated `--repeats` times (different
+sampling seeds); accuracy is reported as the mean with its standard error. For a run
+directory, the base model (step 0, time 0) is evaluated too, and results go to
+RUN/eval-DATASET.json (and .csv); checkpoints already there are skipped unless --force.
+"""
+
+from __future__ import annotations
+
+import argparse
+import csv
+import json
+import logging
+import math
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+import torch
+
+import data
+import rewards
+import sampling
+
+log = logging.getLogger("pods")
+BASE = "base"  # the name under which a run's untrained starting point is recorded
+
+
+class EvalError(ValueError):
+    """Bad input for eval.py; the message says what to pass instead."""
+
+
+@dataclass
+class Target:
+    """One thing to evaluate: a checkpoint (adapter) or the base model (adapter None)."""
+
+    name: str
+    adapter: Path | None
+    step: int = 0
+    elapsed_s: float = 0.0
+
+
+@dataclass
+class Settings:
+    dataset: str
+    limit: int
+    samples: int
+    repeats: int
+    temperature: float
+    max_new_tokens: int
+    seed: int = 0
+
+    def key(self) -> dict:
+        """What must match for stored results to be reused."""
+        return {"dataset": self.dataset, "limit": self.limit, "samples": self.samples, "repeats": self.repeats,
+                "temperature": self.temperature, "max_new_tokens": self.max_new_tokens, "seed": self.seed}
+
+
+# ----------------------------------------------------------------------------- what to evaluate
+
+
+def find_targets(path: str) -> tuple[str, list[Target], Path | None]:
+    """(base model, targets in order, run directory or None) for a run dir, checkpoint or model."""
+    p = Path(path)
+    if (p / "adapter_config.json").exists():
+        return base_model_of(p), [target_of(p)], None
+    if p.is_dir() and (p / "config.json").exists() and json.loads((p / "config.json").read_text()).get("model_resolved"):
+        found = sorted((c for c in p.glob("checkpoint-*") if (c / "adapter_config.json").exists()),
+                       key=lambda c: int(c.name.split("-")[-1]))
+        if not found:
+            raise EvalError(f"{p} has no checkpoint-STEP directories yet; train first or wait for the first save")
+        return base_model_of(found[0]), [Target(BASE, None)] + [target_of(c) for c in found], p
+    if p.is_dir() and not (p / "config.json").exists():
+        raise EvalError(f"{p} is neither a run directory, a checkpoint nor a model directory")
+    return path, [Target(BASE, None)], None
+
+
+def target_of(checkpoint: Path) -> Target:
+    state_file = checkpoint / "trainer_state.json"
+    state = json.loads(state_file.read_text()) if state_file.exists() else {}
+    return Target(checkpoint.name, checkpoint, state.get("step", 0), state.get("elapsed_s", 0.0))
+
+
+def base_model_of(checkpoint: Path) -> str:
+    """The model a checkpoint's adapter belongs to: the run's config.json, else the adapter's."""
+    run_config = checkpoint.parent / "config.json"
+    if run_config.exists():
+        return json.loads(run_config.read_text())["model_resolved"]
+    return json.loads((checkpoint / "adapter_config.json").read_text())["base_model_name_or_path"]
+
+
+# ----------------------------------------------------------------------------- scoring
+
+
+def evaluate_target(model, tokenizer, sampler, target: Target, examples: list[data.Example], settings: Settings) -> dict:
+    """Accuracy (mean and standard error over repeats) and format rate of one target."""
+    prompts = [sampling.build_prompt(tokenizer, e.question) for e in examples]
+    accuracies, format_rates = [], []
+    for repeat in range(settings.repeats):
+        torch.manual_seed(settings.seed + repeat)
+        groups = sampler.generate(prompts, settings.samples)
+        correct = [rewards.correctness_reward(r.text, e.answer) for e, group in zip(examples, groups) for r in group]
+        formatted = [rewards.format_reward(r.text) >= rewards.STRUCTURE_REWARD for group in groups for r in group]
+        accuracies.append(float(np.mean(correct)))
+        format_rates.append(float(np.mean(formatted)))
+    se = float(np.std(accuracies, ddof=1) / math.sqrt(len(accuracies))) if len(accuracies) > 1 else 0.0
+    return {"checkpoint": target.name, "step": target.step, "elapsed_s": target.elapsed_s,
+            "accuracy": float(np.mean(accuracies)), "accuracy_se": se, "accuracies": accuracies,
+            "format_rate": float(np.mean(format_rates))}
+
+
+def load_results(out: Path, settings: Settings, force: bool) -> list[dict]:
+    if not out.exists() or force:
+        return []
+    stored = json.loads(out.read_text())
+    if stored.get("settings") != settings.key():
+        differing = {k: v for k, v in stored.get("settings", {}).items() if settings.key().get(k) != v}
+        raise EvalError(f"{out} holds results made with other settings {differing}; pass --force to redo them or choose --out")
+    return stored["results"]
+
+
+def write_results(out: Path, settings: Settings, results: list[dict]) -> None:
+    out.parent.mkdir(parents=True, exist_ok=True)
+    results = sorted(results, key=lambda r: r["step"])
+    out.write_text(json.dumps({"settings": settings.key(), "results": results}, indent=2))
+    with open(out.with_suffix(".csv"), "w", newline="") as f:
+        writer = csv.writer(f)
+        writer.writerow(["checkpoint", "step", "elapsed_s", "accuracy", "accuracy_se", "format_rate"])
+        for r in results:
+            writer.writerow([r["checkpoint"], r["step"], r["elapsed_s"], r["accuracy"], r["accuracy_se"], r["format_rate"]])
+
+
+def evaluate(path: str, settings: Settings, out: str | None, force: bool, backend: str) -> Path:
+    from peft import PeftModel
+    from tqdm import tqdm
+
+    base, targets, run_dir = find_targets(path)
+    if out is None:
+        out = str((run_dir or Path(".")) / f"eval-{Path(settings.dataset).stem}.json")
+    out_path = Path(out)
+    done = load_results(out_path, settings, force)
+    todo = [t for t in targets if t.name not in {r["checkpoint"] for r in done}]
+    log.info("%d to evaluate, %d already in %s", len(todo), len(targets) - len(todo), out_path)
+    if not todo:
+        return out_path
+    examples = data.load_examples(settings.dataset, "test")[: settings.limit]
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    model, tokenizer = sampling.load_policy(base, device, torch.bfloat16 if device == "cuda" else torch.float32)
+    adapters = [t for t in targets if t.adapter is not None]
+    if adapters:
+        model = PeftModel.from_pretrained(model, adapters[0].adapter, is_trainable=False)
+    sampler = make_eval_sampler(backend, model, tokenizer, base, settings, device)
+    for target in tqdm(todo, desc="checkpoints", dynamic_ncols=True):
+        load_target(model, sampler, target)
+        if target.adapter is None and adapters:
+            with model.disable_adapter():
+                result = evaluate_target(model, tokenizer, sampler, target, examples, settings)
+        else:
+            result = evaluate_target(model, tokenizer, sampler, target, examples, settings)
+        done.append(result)
+        write_results(out_path, settings, done)  # after every checkpoint: an interrupted eval keeps its work
+        log.info("%s (step %d, %.0f s): accuracy %.3f +- %.3f, format %.3f", target.name, target.step, target.elapsed_s,
+                 result["accuracy"], result["accuracy_se"], result["format_rate"])
+    return out_path
+
+
+def load_target(model, sampler, target: Target) -> None:
+    """Point the model (transformers) or the sampler (vLLM) at the target's adapter weights."""
+    if target.adapter is None:
+        sampler.set_adapter(None)
+        return
+    from peft import set_peft_model_state_dict
+    from safetensors.torch import load_file
+
+    set_peft_model_state_dict(model, load_file(target.adapter / "adapter_model.safetensors"))
+    sampler.set_adapter(str(target.adapter))
+
+
+def make_eval_sampler(backend: str, model, tokenizer, base: str, settings: Settings, device: str):
+    if backend == "vllm" or (backend == "auto" and sampling.vllm_available() and device == "cuda"):
+        lora_rank = getattr(getattr(model, "peft_config", {}).get("default"), "r", 8)
+        return sampling.VLLMSampler(sampling.resolve_model_path(base), tokenizer, settings.max_new_tokens, settings.temperature,
+                                    lora_rank, max_model_len=1024 + settings.max_new_tokens, gpu_memory_utilization=0.5,
+                                    dtype="bfloat16", seed=settings.seed)
+    return sampling.HFSampler(model, tokenizer, settings.max_new_tokens, settings.temperature, autocast_bf16=device == "cpu")
+
+
+# ----------------------------------------------------------------------------- time to peak
+
+
+def time_to_reach(times: list[float], accuracies: list[float], target: float) -> float | None:
+    """The first evaluated time at which accuracy >= target, or None if it never gets there."""
+    for t, a in zip(times, accuracies):
+        if a >= target - 1e-12:
+            return t
+    return None
+
+
+def speedups(curves: dict[str, tuple[list[float], list[float]]], baseline: str) -> tuple[float, float, dict[str, float | None]]:
+    """The paper's headline: the baseline's peak accuracy, the time it first reached it, and for
+    each other curve its own time to that accuracy (None: never reached)."""
+    times, accs = curves[baseline]
+    peak = max(accs)
+    t_base = time_to_reach(times, accs, peak)
+    return peak, t_base, {label: time_to_reach(t, a, peak) for label, (t, a) in curves.items() if label != baseline}
+
+
+def label_of(run_dir: Path) -> str:
+    config = json.loads((run_dir / "config.json").read_text())
+    if config["rule"] == "none":
+        return f"GRPO n={config['n']}"
+    return f"PODS {config['rule']} n={config['n']} m={config['m']}"
+
+
+def group_curves(run_dirs: list[Path], dataset: str | None) -> dict[str, list[tuple[list[float], list[float]]]]:
+    groups: dict[str, list[tuple[list[float], list[float]]]] = {}
+    for run in run_dirs:
+        if not (run / "config.json").exists():
+            raise EvalError(f"{run} is not a run directory (no config.json)")
+        files = sorted(run.glob("eval-*.json"))
+        if dataset is not None:
+            files = [f for f in files if f.name == f"eval-{Path(dataset).stem}.json"]
+        if len(files) != 1:
+            what = "no eval-*.json" if not files else f"several results files ({', '.join(f.name for f in files)})"
+            raise EvalError(f"{run} has {what}; run `python eval.py {run}` first, or pass --dataset to pick one")
+        results = sorted(json.loads(files[0].read_text())["results"], key=lambda r: r["elapsed_s"])
+        groups.setdefault(label_of(run), []).append(([r["elapsed_s"] for r in results], [r["accuracy"] for r in results]))
+    return groups
+
+
+def mean_curve(runs: list[tuple[list[float], list[float]]]) -> tuple[list[float], list[float], list[float]]:
+    """Seeds of one setting on a common time grid (linear interpolation, up to the shortest run):
+    (times, mean accuracy, standard error)."""
+    if len(runs) == 1:
+        return runs[0][0], runs[0][1], [0.0] * len(runs[0][0])
+    end = min(t[-1] for t, _ in runs)
+    grid = sorted({x for t, _ in runs for x in t if x <= end})
+    stacked = np.array([np.interp(grid, t, a) for t, a in runs])
+    se = stacked.std(axis=0, ddof=1) / math.sqrt(len(runs))
+    return grid, stacked.mean(axis=0).tolist(), se.tolist()
+
+
+def plot(run_dirs: list[Path], out: Path, dataset: str | None, baseline: str | None) -> str:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    groups = group_curves(run_dirs, dataset)
+    curves = {label: mean_curve(runs) for label, runs in groups.items()}
+    if len(curves) < 2:
+        raise EvalError(f"nothing to compare: all runs are {next(iter(curves))}; pass runs of at least two settings")
+    grpo_labels = [label for label in curves if label.startswith("GRPO")]
+    baseline = baseline or (grpo_labels[0] if grpo_labels else None)
+    if baseline not in curves:
+        raise EvalError(f"baseline {baseline!r} is not among the runs ({', '.join(curves)}); pass --baseline")
+
+    fig, ax = plt.subplots(figsize=(7, 4.5))
+    for label, (t, mean, se) in curves.items():
+        minutes, mean, se = np.array(t) / 60, np.array(mean), np.array(se)
+        seeds = len(groups[label])
+        ax.plot(minutes, mean, marker="o", markersize=3, label=f"{label} ({seeds} seed{'s' if seeds > 1 else ''})",
+                linewidth=2.2 if label == baseline else 1.5)
+        ax.fill_between(minutes, mean - se, mean + se, alpha=0.2)
+    peak, t_base, others = speedups({k: (v[0], v[1]) for k, v in curves.items()}, baseline)
+    ax.axhline(peak, color="gray", linestyle=":", linewidth=1)
+    ax.set_xlabel("training time (minutes)")
+    ax.set_ylabel("test accuracy")
+    ax.set_title("Test accuracy over training time")
+    ax.legend(fontsize=8)
+    ax.grid(alpha=0.3)
+    fig.tight_layout()
+    out.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(out, dpi=120)
+    plt.close(fig)
+
+    lines = [f"baseline {baseline}: peak accuracy {peak:.3f}, first reached at {t_base / 60:.1f} min",
+             f"{'run':<36}{'time to baseline peak':>24}{'speed-up':>10}"]
+    for label, t in others.items():
+        if t is None:
+            lines.append(f"{label:<36}{'never reached':>24}{'-':>10}")
+        else:
+            speed = f"{t_base / t:.2f}x" if t > 0 else "at start"
+            lines.append(f"{label:<36}{t / 60:>20.1f} min{speed:>10}")
+    return "\n".join(lines)
+
+
+# ----------------------------------------------------------------------------- CLI
+
+
+def default_dataset(path: str) -> str:
+    """The test split of the task a run trained on (gsm8k or arith); arith otherwise."""
+    for config in (Path(path) / "config.json", Path(path).parent / "config.json"):
+        if config.exists():
+            trained_on = json.loads(config.read_text()).get("dataset")
+            if trained_on in (data.GSM8K, data.ARITH):
+                return trained_on
+    return data.ARITH
+
+
+def main(argv: list[str] | None = None) -> int:
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(message)s", datefmt="%H:%M:%S")
+    for noisy in ("httpx", "transformers", "huggingface_hub"):
+        logging.getLogger(noisy).setLevel(logging.WARNING)
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("path", nargs="?", help="a run's --out-dir, one checkpoint directory, or a base model (name, path, 'embedded')")
+    parser.add_argument("--plot", nargs="+", metavar="RUN_DIR", help="plot test accuracy over training time for these runs")
+    parser.add_argument("--dataset", default=None, help="'gsm8k' (test split), 'arith' (held-out split) or a .jsonl path [arith]")
+    parser.add_argument("--limit", type=int, default=200, help="evaluate the first LIMIT test questions")
+    parser.add_argument("--samples", type=int, default=1, help="completions sampled per question")
+    parser.add_argument("--repeats", type=int, default=5, help="independent evaluations per checkpoint (mean and standard error)")
+    parser.add_argument("--temperature", type=float, default=0.9, help="sampling temperature")
+    parser.add_argument("--max-new-tokens", type=int, default=32, help="completion length limit")
+    parser.add_argument("--seed", type=int, default=0, help="seed of the first repeat")
+    parser.add_argument("--backend", default="auto", choices=["auto", "vllm", "hf"], help="generation backend, as in train.py")
+    parser.add_argument("--out", default=None, help="results JSON (eval) or figure PNG (--plot)")
+    parser.add_argument("--baseline", default=None, help="--plot: label of the baseline curve [the GRPO run]")
+    parser.add_argument("--force", action="store_true", help="re-evaluate checkpoints already in the results file")
+    args = parser.parse_args(argv)
+    try:
+        if args.plot:
+            summary = plot([Path(p) for p in args.plot], Path(args.out or "accuracy_vs_time.png"), args.dataset, args.baseline)
+            print(summary)
+            print(f"figure: {args.out or 'accuracy_vs_time.png'}")
+            return 0
+        if not args.path:
+            raise EvalError("give a PATH to evaluate (run dir, checkpoint or model) or --plot RUN_DIR ...")
+        for name in ("limit", "samples", "repeats", "max_new_tokens"):
+            if getattr(args, name) < 1:
+                raise EvalError(f"--{name.replace('_', '-')} {getattr(args, name)} must be >= 1")
+        if args.temperature <= 0:
+            raise EvalError(f"--temperature {args.temperature} must be > 0: repeats measure sampling variation")
+        settings = Settings(args.dataset or default_dataset(args.path), args.limit, args.samples, args.repeats, args.temperature, args.max_new_tokens, args.seed)
+        out = evaluate(args.path, settings, args.out, args.force, args.backend)
+        print(f"results: {out}")
+    except (EvalError, data.DataError, sampling.SetupError) as err:
+        print(f"error: {err}", file=sys.stderr)
+        return 2
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
