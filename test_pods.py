@@ -694,3 +694,58 @@ def test_plot_with_nothing_to_compare_exits_2(tmp_path, capsys):
     assert evaluation.main(["--plot", str(a), str(b), "--out", str(tmp_path / "f.png")]) == 2
     assert "nothing to compare" in capsys.readouterr().err
     assert evaluation.main(["--plot", str(tmp_path / "nope"), "--out", str(tmp_path / "f.png")]) == 2
+
+
+# ----------------------------------------------------------------------------- vLLM backend
+
+
+def perturbed_adapter(base_dir: Path, out: Path, seed: int) -> Path:
+    """A rank-8 LoRA adapter with small random B matrices, so it changes the model's outputs."""
+    from peft import LoraConfig, get_peft_model
+    from transformers import AutoModelForCausalLM
+
+    model = get_peft_model(AutoModelForCausalLM.from_pretrained(base_dir),
+                           LoraConfig(r=8, lora_alpha=16, target_modules=train.LORA_TARGETS, task_type="CAUSAL_LM"))
+    generator = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if "lora_B" in name:
+                p.copy_(torch.randn(p.shape, generator=generator) * 0.02)
+    model.save_pretrained(out)
+    return out
+
+
+@pytest.mark.vllm
+@pytest.mark.slow
+def test_vllm_generates_with_the_lora_adapter_and_matches_transformers_logprobs(embedded_dir, tmp_path, monkeypatch):
+    pytest.importorskip("vllm")
+    monkeypatch.setenv("VLLM_ENABLE_V1_MULTIPROCESSING", "0")  # the engine in this process: no spawn from pytest
+    from peft import PeftModel
+
+    adapters = [perturbed_adapter(embedded_dir, tmp_path / f"adapter{i}", seed=i) for i in (1, 2)]
+    base, tokenizer = sampling.load_policy(str(embedded_dir), "cpu", torch.float32)
+    prompts = [sampling.build_prompt(tokenizer, q) for q in ("What is 7 + 5?", "Ava has 3 coins and gets 4 more. How many coins does Ava have now?")]
+    sampler = sampling.VLLMSampler(str(embedded_dir), tokenizer, max_new_tokens=12, temperature=1.0, lora_rank=8,
+                                   max_model_len=512, gpu_memory_utilization=0.1, dtype="float32", seed=0)
+    model = PeftModel.from_pretrained(base, adapters[0])
+    for adapter in adapters:
+        sampler.set_adapter(str(adapter))
+        groups = sampler.generate(prompts, n=4, logprobs=True)
+        rollouts = [r for g in groups for r in g]
+        assert len(rollouts) == 8 and all(0 < len(r.completion_ids) <= 12 for r in rollouts)
+        assert all(r.truncated == (r.completion_ids[-1] not in sampler.stops) for r in rollouts)
+        vllm_lp = torch.zeros(8, max(len(r.completion_ids) for r in rollouts))
+        for i, r in enumerate(rollouts):
+            vllm_lp[i, : len(r.completion_ids)] = torch.tensor(r.logprobs)
+        from peft import set_peft_model_state_dict
+        from safetensors.torch import load_file
+
+        set_peft_model_state_dict(model, load_file(adapter / "adapter_model.safetensors"))
+        with torch.no_grad():
+            with_adapter, mask = train.completion_logprobs(model, rollouts, 1.0, tokenizer.pad_token_id)
+            with model.disable_adapter():
+                without, _ = train.completion_logprobs(model, rollouts, 1.0, tokenizer.pad_token_id)
+        diff = ((vllm_lp - with_adapter).abs() * mask).max().item()
+        diff_base = ((vllm_lp - without).abs() * mask).max().item()
+        print(f"{adapter.name}: max |vLLM - transformers| per token {diff:.2e} with the adapter, {diff_base:.2f} without")
+        assert diff < 0.02 < 0.1 < diff_base
