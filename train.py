@@ -470,11 +470,12 @@ def benchmark(args: Args, repeats: int = 2) -> list[dict]:
     sampler = make_sampler(args, model, tokenizer, model_name, device)
     sampler.generate([stream.next_batch(1)[0][0]], 2)  # warm-up: first calls pay one-off costs
     ms = [args.n, args.n // 2, args.n // 4]
-    gen_s, upd_s = [], {m: [] for m in ms}
+    gen_s, upd_s, tokens = [], {m: [] for m in ms}, []
     for _ in range(repeats):
         start = time.perf_counter()
         rollouts, scores, _, _ = generate_and_score(sampler, stream.next_batch(args.prompts_per_step), args.n)
         gen_s.append(time.perf_counter() - start)
+        tokens.append(sum(len(r.completion_ids) for r in rollouts))
         for m in ms:
             run = dataclasses.replace(args, m=m, rule="none" if m == args.n else args.rule)
             kept_idx = select(scores, run, rng)
@@ -494,6 +495,8 @@ def benchmark(args: Args, repeats: int = 2) -> list[dict]:
         name = f"GRPO n={row['n']}" if row["m"] == args.n else f"PODS n={row['n']} m={row['m']}"
         print(f"{name:<22}{row['generation_s']:>14.1f}{row['update_s']:>10.1f}{row['step_s']:>8.1f}"
               f"{row['update_s'] / rows[0]['update_s']:>13.2f}{row['step_s'] / rows[0]['step_s']:>11.2f}")
+    per_token = 1000 * rows[0]["step_s"] / float(np.mean(tokens))
+    print(f"completion tokens per step: {np.mean(tokens):.0f}; GRPO step time per completion token: {per_token:.1f} ms")
     return rows
 
 
