@@ -111,7 +111,7 @@ def evaluate_target(model, tokenizer, sampler, target: Target, examples: list[da
         torch.manual_seed(settings.seed + repeat)
         groups = sampler.generate(prompts, settings.samples)
         correct = [rewards.correctness_reward(r.text, e.answer) for e, group in zip(examples, groups) for r in group]
-        formatted = [rewards.format_reward(r.text) >= rewards.STRUCTURE_REWARD for group in groups for r in group]
+        formatted = [rewards.is_well_formatted(r.text) for group in groups for r in group]
         accuracies.append(float(np.mean(correct)))
         format_rates.append(float(np.mean(formatted)))
     se = float(np.std(accuracies, ddof=1) / math.sqrt(len(accuracies))) if len(accuracies) > 1 else 0.0

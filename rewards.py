@@ -109,13 +109,16 @@ def correctness_reward(completion: str, answer: str) -> float:
     return CORRECT_REWARD if predicted is not None and predicted == normalize_number(answer) else 0.0
 
 
+def is_well_formatted(completion: str) -> bool:
+    """The whole completion is <think>...</think> <answer>...</answer>, each tag exactly once."""
+    return all(completion.count(tag) == 1 for tag in TAGS) and _STRUCTURE.match(completion) is not None
+
+
 def format_reward(completion: str) -> float:
-    """STRUCTURE_REWARD when the whole completion is <think>..</think><answer>..</answer> with
-    each tag once, plus TAG_REWARD for each of the four tags that appears exactly once.
-    At most 0.2."""
-    once = [completion.count(tag) == 1 for tag in TAGS]
-    structured = all(once) and _STRUCTURE.match(completion) is not None
-    return (STRUCTURE_REWARD if structured else 0.0) + TAG_REWARD * sum(once)
+    """STRUCTURE_REWARD for a well-formatted completion, plus TAG_REWARD for each of the four
+    tags that appears exactly once. At most 0.2."""
+    tags_once = sum(completion.count(tag) == 1 for tag in TAGS)
+    return (STRUCTURE_REWARD if is_well_formatted(completion) else 0.0) + TAG_REWARD * tags_once
 
 
 def reward(completion: str, answer: str) -> float:

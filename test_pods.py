@@ -749,3 +749,19 @@ def test_vllm_generates_with_the_lora_adapter_and_matches_transformers_logprobs(
         diff_base = ((vllm_lp - without).abs() * mask).max().item()
         print(f"{adapter.name}: max |vLLM - transformers| per token {diff:.2e} with the adapter, {diff_base:.2f} without")
         assert diff < 0.02 < 0.1 < diff_base
+
+
+def test_well_formatted_needs_the_order_and_each_tag_once():
+    assert rewards.is_well_formatted("<think>a</think>\n<answer>1</answer>")
+    assert not rewards.is_well_formatted("<answer>1</answer><think>a</think>")  # all four tags, wrong order
+    assert rewards.format_reward("<answer>1</answer><think>a</think>") == pytest.approx(4 * rewards.TAG_REWARD)
+
+
+def test_prompt_stream_is_a_permutation_per_epoch_and_resumable():
+    prompts = [([i], str(i)) for i in range(5)]
+    stream = train.PromptStream(prompts, seed=3)
+    first = [p[1] for p in stream.next_batch(5)]
+    assert sorted(first) == ["0", "1", "2", "3", "4"]
+    later = [p[1] for p in stream.next_batch(4)]
+    resumed = train.PromptStream(prompts, seed=3, position=5)
+    assert [p[1] for p in resumed.next_batch(4)] == later

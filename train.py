@@ -195,13 +195,16 @@ class PromptStream:
 
     def __init__(self, prompts: list[tuple[list[int], str]], seed: int, position: int = 0):
         self.prompts, self.seed, self.position = prompts, seed, position
+        self.epoch, self.order = -1, []
 
     def next_batch(self, size: int) -> list[tuple[list[int], str]]:
         batch = []
         for _ in range(size):
             epoch, index = divmod(self.position, len(self.prompts))
-            order = random.Random(self.seed * 1_000_003 + epoch).sample(range(len(self.prompts)), len(self.prompts))
-            batch.append(self.prompts[order[index]])
+            if epoch != self.epoch:  # a fresh permutation each epoch, a function of (seed, epoch) only
+                self.epoch = epoch
+                self.order = random.Random(self.seed * 1_000_003 + epoch).sample(range(len(self.prompts)), len(self.prompts))
+            batch.append(self.prompts[self.order[index]])
             self.position += 1
         return batch
 
@@ -319,7 +322,7 @@ def generate_and_score(sampler, batch: list[tuple[list[int], str]], n: int):
     answers = [answer for _, answer in batch for _ in range(n)]
     scores = torch.tensor([rewards.reward(r.text, a) for r, a in zip(rollouts, answers)])
     correct = torch.tensor([rewards.correctness_reward(r.text, a) for r, a in zip(rollouts, answers)])
-    formatted = torch.tensor([rewards.format_reward(r.text) for r, a in zip(rollouts, answers)])
+    formatted = torch.tensor([float(rewards.is_well_formatted(r.text)) for r in rollouts])
     return rollouts, scores, correct, formatted
 
 
@@ -332,7 +335,7 @@ def step_metrics(scores, correct, formatted, rollouts, kept_idx, n, m) -> dict:
         "kept_reward_std": kept_scores.std(dim=1).mean().item(),  # what max_variance maximizes
         "accuracy": correct.mean().item(),
         "kept_accuracy": correct[kept_idx].mean().item(),
-        "format_rate": (formatted >= rewards.STRUCTURE_REWARD).float().mean().item(),
+        "format_rate": formatted.mean().item(),
         "completion_len": float(np.mean([len(r.completion_ids) for r in rollouts])),
         "truncated_frac": float(np.mean([r.truncated for r in rollouts])),
     }
