@@ -4,7 +4,8 @@
 - a path to a `.jsonl` file with `question` and `answer` per row; the answer is either a GSM8K
   solution ending in "#### N" or a bare number.
 - `arith`: procedurally generated arithmetic word problems with answers computed by the
-  generator, in levels of increasing difficulty. It is the task for CPU-scale experiments:
+  generator, in levels of increasing difficulty (`arith` = levels 1-3; `arith:1` one-digit
+  sums only, `arith:12` levels 1 and 2). It is the task for CPU-scale experiments:
   the embedded 135M model already solves some one-digit sums (so GRPO has a signal to
   amplify) and has room to improve on the levels above.
 
@@ -102,14 +103,31 @@ def read_jsonl(path: Path) -> list[Example]:
     return examples
 
 
-def load_examples(dataset: str, split: str, arith_size: int = 50_000, seed: int = 0) -> list[Example]:
-    """Examples of `dataset` ("gsm8k", "arith" or a .jsonl path); split is "train" or "test".
+def arith_levels(dataset: str) -> tuple[int, ...] | None:
+    """Levels of an arithmetic dataset name: "arith" is levels 1-3, "arith:12" levels 1 and 2;
+    None for any other name."""
+    name, _, digits = dataset.partition(":")
+    if name != ARITH:
+        return None
+    if not digits:
+        return (1, 2, 3)
+    if not all(d in "1234" for d in digits):
+        raise DataError(f"{dataset!r}: levels are digits 1 to 4, e.g. '{ARITH}:12'")
+    return tuple(sorted({int(d) for d in digits}))
+
+
+def load_examples(dataset: str, split: str, arith_size: int = 20_000, seed: int = 0) -> list[Example]:
+    """Examples of `dataset` ("gsm8k", "arith", "arith:LEVELS" or a .jsonl path); split is
+    "train" or "test".
 
     For a .jsonl path the split is ignored. For "arith" the test split is a fixed stream of 500
     problems from its own seed (one-digit sums have only 81 forms, so they recur in both splits).
     """
-    if dataset == ARITH:
-        return arith_examples(500, ARITH_TEST_SEED) if split == "test" else arith_examples(arith_size, seed)
+    levels = arith_levels(dataset)
+    if levels is not None:
+        if split == "test":
+            return arith_examples(500, ARITH_TEST_SEED, levels)
+        return arith_examples(arith_size, seed, levels)
     if dataset == GSM8K:
         try:
             from datasets import load_dataset

@@ -120,6 +120,11 @@ def evaluate_target(model, tokenizer, sampler, target: Target, examples: list[da
             "format_rate": float(np.mean(format_rates))}
 
 
+def results_name(dataset: str) -> str:
+    """eval-arith.json, eval-arith-1.json (for arith:1), eval-test.json (for path/test.jsonl)."""
+    return f"eval-{Path(dataset).stem.replace(':', '-')}.json"
+
+
 def load_results(out: Path, settings: Settings, force: bool) -> list[dict]:
     if not out.exists() or force:
         return []
@@ -147,7 +152,7 @@ def evaluate(path: str, settings: Settings, out: str | None, force: bool, backen
 
     base, targets, run_dir = find_targets(path)
     if out is None:
-        out = str((run_dir or Path(".")) / f"eval-{Path(settings.dataset).stem}.json")
+        out = str((run_dir or Path(".")) / results_name(settings.dataset))
     out_path = Path(out)
     done = load_results(out_path, settings, force)
     todo = [t for t in targets if t.name not in {r["checkpoint"] for r in done}]
@@ -230,7 +235,7 @@ def group_curves(run_dirs: list[Path], dataset: str | None) -> dict[str, list[tu
             raise EvalError(f"{run} is not a run directory (no config.json)")
         files = sorted(run.glob("eval-*.json"))
         if dataset is not None:
-            files = [f for f in files if f.name == f"eval-{Path(dataset).stem}.json"]
+            files = [f for f in files if f.name == results_name(dataset)]
         if len(files) != 1:
             what = "no eval-*.json" if not files else f"several results files ({', '.join(f.name for f in files)})"
             raise EvalError(f"{run} has {what}; run `python eval.py {run}` first, or pass --dataset to pick one")
@@ -304,7 +309,7 @@ def default_dataset(path: str) -> str:
     for config in (Path(path) / "config.json", Path(path).parent / "config.json"):
         if config.exists():
             trained_on = json.loads(config.read_text()).get("dataset")
-            if trained_on in (data.GSM8K, data.ARITH):
+            if trained_on == data.GSM8K or data.arith_levels(trained_on) is not None:
                 return trained_on
     return data.ARITH
 
