@@ -765,3 +765,12 @@ def test_prompt_stream_is_a_permutation_per_epoch_and_resumable():
     later = [p[1] for p in stream.next_batch(4)]
     resumed = train.PromptStream(prompts, seed=3, position=5)
     assert [p[1] for p in resumed.next_batch(4)] == later
+
+
+def test_arith_level_names():
+    assert data.arith_levels("arith") == (1, 2, 3)
+    assert data.arith_levels("arith:21") == (1, 2)
+    assert data.arith_levels("gsm8k") is None and data.arith_levels("x.jsonl") is None
+    assert all(e.question.startswith("What is") for e in data.load_examples("arith:1", "test"))
+    with pytest.raises(data.DataError, match="levels are digits 1 to 4"):
+        data.arith_levels("arith:5")
