@@ -308,7 +308,7 @@ def default_dataset(path: str) -> str:
     """The test split of the task a run trained on (gsm8k or arith); arith otherwise."""
     for config in (Path(path) / "config.json", Path(path).parent / "config.json"):
         if config.exists():
-            trained_on = json.loads(config.read_text()).get("dataset")
+            trained_on = json.loads(config.read_text()).get("dataset") or ""
             if trained_on == data.GSM8K or data.arith_levels(trained_on) is not None:
                 return trained_on
     return data.ARITH
