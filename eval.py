@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import argparse
 import csv
+import hashlib
 import json
 import logging
 import math
@@ -35,6 +36,7 @@ import sampling
 
 log = logging.getLogger("pods")
 BASE = "base"  # the name under which a run's untrained starting point is recorded
+BASE_CACHE = sampling.CACHE_DIR / "eval"  # base-model results, shared by every run of the same model
 
 
 class EvalError(ValueError):
@@ -76,7 +78,7 @@ def find_targets(path: str) -> tuple[str, list[Target], Path | None]:
     if (p / "adapter_config.json").exists():
         return base_model_of(p), [target_of(p)], None
     if p.is_dir() and (p / "config.json").exists() and json.loads((p / "config.json").read_text()).get("model_resolved"):
-        found = sorted((c for c in p.glob("checkpoint-*") if (c / "adapter_config.json").exists()),
+        found = sorted((c for c in p.glob("checkpoint-*") if c.name.split("-")[-1].isdigit() and (c / "adapter_config.json").exists()),
                        key=lambda c: int(c.name.split("-")[-1]))
         if not found:
             raise EvalError(f"{p} has no checkpoint-STEP directories yet; train first or wait for the first save")
@@ -103,7 +105,7 @@ def base_model_of(checkpoint: Path) -> str:
 # ----------------------------------------------------------------------------- scoring
 
 
-def evaluate_target(model, tokenizer, sampler, target: Target, examples: list[data.Example], settings: Settings) -> dict:
+def evaluate_target(model, tokenizer, sampler, target: Target, base: str, examples: list[data.Example], settings: Settings) -> dict:
     """Accuracy (mean and standard error over repeats) and format rate of one target."""
     prompts = [sampling.build_prompt(tokenizer, e.question) for e in examples]
     accuracies, format_rates = [], []
@@ -115,7 +117,7 @@ def evaluate_target(model, tokenizer, sampler, target: Target, examples: list[da
         accuracies.append(float(np.mean(correct)))
         format_rates.append(float(np.mean(formatted)))
     se = float(np.std(accuracies, ddof=1) / math.sqrt(len(accuracies))) if len(accuracies) > 1 else 0.0
-    return {"checkpoint": target.name, "step": target.step, "elapsed_s": target.elapsed_s,
+    return {"checkpoint": target.name, "step": target.step, "elapsed_s": target.elapsed_s, "model": base,
             "accuracy": float(np.mean(accuracies)), "accuracy_se": se, "accuracies": accuracies,
             "format_rate": float(np.mean(format_rates))}
 
@@ -146,17 +148,38 @@ def write_results(out: Path, settings: Settings, results: list[dict]) -> None:
             writer.writerow([r["checkpoint"], r["step"], r["elapsed_s"], r["accuracy"], r["accuracy_se"], r["format_rate"]])
 
 
+def is_result_of(result: dict, target: Target, base: str) -> bool:
+    """A stored result belongs to this target: same model, same checkpoint name, step and training
+    time (a checkpoint retrained under the same name is a different one)."""
+    return (result.get("model") == base and result["checkpoint"] == target.name and result["step"] == target.step
+            and math.isclose(result["elapsed_s"], target.elapsed_s, abs_tol=1e-6))
+
+
+def base_cache_file(base: str, settings: Settings) -> Path:
+    """Where the base model's result for these settings is kept: every run of one model starts
+    from the same weights, so its step-0 point is evaluated once, not once per run."""
+    key = json.dumps({"model": base, **settings.key()}, sort_keys=True)
+    return BASE_CACHE / f"{hashlib.sha256(key.encode()).hexdigest()[:16]}.json"
+
+
 def evaluate(path: str, settings: Settings, out: str | None, force: bool, backend: str) -> Path:
     from peft import PeftModel
     from tqdm import tqdm
 
     base, targets, run_dir = find_targets(path)
-    if out is None:
-        out = str((run_dir or Path(".")) / results_name(settings.dataset))
+    if out is None:  # beside the run, or in the checkpoint, or here for a base model
+        out = str((run_dir or targets[0].adapter or Path(".")) / results_name(settings.dataset))
     out_path = Path(out)
-    done = load_results(out_path, settings, force)
-    todo = [t for t in targets if t.name not in {r["checkpoint"] for r in done}]
+    stored = load_results(out_path, settings, force)
+    todo = [t for t in targets if not any(is_result_of(r, t, base) for r in stored)]
+    done = [r for r in stored if not any(r["checkpoint"] == t.name for t in todo)]  # drops stale results of retrained checkpoints
     log.info("%d to evaluate, %d already in %s", len(todo), len(targets) - len(todo), out_path)
+    cache = base_cache_file(base, settings)
+    if not force and cache.exists() and any(t.adapter is None for t in todo):
+        done.append(json.loads(cache.read_text()))
+        todo = [t for t in todo if t.adapter is not None]
+        write_results(out_path, settings, done)
+        log.info("base model: result reused from %s (--force re-evaluates it)", cache)
     if not todo:
         return out_path
     examples = data.load_examples(settings.dataset, "test")[: settings.limit]
@@ -170,11 +193,14 @@ def evaluate(path: str, settings: Settings, out: str | None, force: bool, backen
         load_target(model, sampler, target)
         if target.adapter is None and adapters:
             with model.disable_adapter():
-                result = evaluate_target(model, tokenizer, sampler, target, examples, settings)
+                result = evaluate_target(model, tokenizer, sampler, target, base, examples, settings)
         else:
-            result = evaluate_target(model, tokenizer, sampler, target, examples, settings)
+            result = evaluate_target(model, tokenizer, sampler, target, base, examples, settings)
         done.append(result)
         write_results(out_path, settings, done)  # after every checkpoint: an interrupted eval keeps its work
+        if target.adapter is None:
+            cache.parent.mkdir(parents=True, exist_ok=True)
+            cache.write_text(json.dumps(result))
         log.info("%s (step %d, %.0f s): accuracy %.3f +- %.3f, format %.3f", target.name, target.step, target.elapsed_s,
                  result["accuracy"], result["accuracy_se"], result["format_rate"])
     return out_path
@@ -228,8 +254,15 @@ def label_of(run_dir: Path) -> str:
     return f"PODS {config['rule']} n={config['n']} m={config['m']}"
 
 
+SEED_FIELDS = {"seed", "out_dir", "resume", "torch", "device"}  # what may differ between seeds of one setting
+
+
 def group_curves(run_dirs: list[Path], dataset: str | None) -> dict[str, list[tuple[list[float], list[float]]]]:
+    """Accuracy curves grouped by label (rule, n, m). Runs of one label must differ only in their
+    seed, and every run must have been evaluated with the same settings."""
     groups: dict[str, list[tuple[list[float], list[float]]]] = {}
+    first_config: dict[str, tuple[Path, dict]] = {}
+    eval_settings: tuple[Path, dict] | None = None
     for run in run_dirs:
         if not (run / "config.json").exists():
             raise EvalError(f"{run} is not a run directory (no config.json)")
@@ -239,8 +272,25 @@ def group_curves(run_dirs: list[Path], dataset: str | None) -> dict[str, list[tu
         if len(files) != 1:
             what = "no eval-*.json" if not files else f"several results files ({', '.join(f.name for f in files)})"
             raise EvalError(f"{run} has {what}; run `python eval.py {run}` first, or pass --dataset to pick one")
-        results = sorted(json.loads(files[0].read_text())["results"], key=lambda r: r["elapsed_s"])
-        groups.setdefault(label_of(run), []).append(([r["elapsed_s"] for r in results], [r["accuracy"] for r in results]))
+        stored = json.loads(files[0].read_text())
+        if eval_settings is None:
+            eval_settings = (run, stored["settings"])
+        elif stored["settings"] != eval_settings[1]:
+            differing = sorted(k for k in stored["settings"].keys() | eval_settings[1].keys()
+                               if stored["settings"].get(k) != eval_settings[1].get(k))
+            raise EvalError(f"{run} and {eval_settings[0]} were evaluated with different settings ({', '.join(differing)}); "
+                            f"evaluate them alike (--force) before comparing")
+        label, config = label_of(run), json.loads((run / "config.json").read_text())
+        if label in first_config:
+            other, other_config = first_config[label]
+            differing = sorted(k for k in config.keys() | other_config.keys()
+                               if k not in SEED_FIELDS and config.get(k) != other_config.get(k))
+            if differing:
+                raise EvalError(f"{run} and {other} are both {label} but differ in {', '.join(differing)}, "
+                                f"not only the seed; plot them separately")
+        first_config.setdefault(label, (run, config))
+        results = sorted(stored["results"], key=lambda r: r["elapsed_s"])
+        groups.setdefault(label, []).append(([r["elapsed_s"] for r in results], [r["accuracy"] for r in results]))
     return groups
 
 
@@ -254,6 +304,18 @@ def mean_curve(runs: list[tuple[list[float], list[float]]]) -> tuple[list[float]
     stacked = np.array([np.interp(grid, t, a) for t, a in runs])
     se = stacked.std(axis=0, ddof=1) / math.sqrt(len(runs))
     return grid, stacked.mean(axis=0).tolist(), se.tolist()
+
+
+def step_costs(run_dirs: list[Path]) -> list[str]:
+    """What a step cost in each run (means over its metrics.jsonl): the time side of the comparison."""
+    lines = [f"{'run':<28}{'steps':>7}{'generation s':>14}{'update s':>10}{'step s':>8}"]
+    for run in run_dirs:
+        path = run / "metrics.jsonl"
+        rows = [json.loads(line) for line in path.read_text().splitlines()] if path.exists() else []
+        if rows:
+            generation, update = (float(np.mean([r[k] for r in rows])) for k in ("generation_s", "update_s"))
+            lines.append(f"{run.name:<28}{len(rows):>7}{generation:>14.1f}{update:>10.1f}{rows[-1]['elapsed_s'] / len(rows):>8.1f}")
+    return lines if len(lines) > 1 else []
 
 
 def plot(run_dirs: list[Path], out: Path, dataset: str | None, baseline: str | None) -> str:
@@ -298,19 +360,27 @@ def plot(run_dirs: list[Path], out: Path, dataset: str | None, baseline: str | N
         else:
             speed = f"{t_base / t:.2f}x" if t > 0 else "at start"
             lines.append(f"{label:<36}{t / 60:>20.1f} min{speed:>10}")
-    return "\n".join(lines)
+    costs = step_costs(run_dirs)
+    return "\n".join(lines + ([""] + costs if costs else []))
 
 
 # ----------------------------------------------------------------------------- CLI
 
 
+def run_config(path: str) -> dict:
+    """config.json of the run that PATH is (or is a checkpoint of); {} for a base model."""
+    for config in (Path(path) / "config.json", Path(path).parent / "config.json"):
+        found = json.loads(config.read_text()) if config.exists() else {}
+        if "model_resolved" in found:  # train.py's config, not a model's own config.json
+            return found
+    return {}
+
+
 def default_dataset(path: str) -> str:
     """The test split of the task a run trained on (gsm8k or arith); arith otherwise."""
-    for config in (Path(path) / "config.json", Path(path).parent / "config.json"):
-        if config.exists():
-            trained_on = json.loads(config.read_text()).get("dataset") or ""
-            if trained_on == data.GSM8K or data.arith_levels(trained_on) is not None:
-                return trained_on
+    trained_on = run_config(path).get("dataset") or ""
+    if trained_on == data.GSM8K or data.arith_levels(trained_on) is not None:
+        return trained_on
     return data.ARITH
 
 
@@ -325,8 +395,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--limit", type=int, default=200, help="evaluate the first LIMIT test questions")
     parser.add_argument("--samples", type=int, default=1, help="completions sampled per question")
     parser.add_argument("--repeats", type=int, default=5, help="independent evaluations per checkpoint (mean and standard error)")
-    parser.add_argument("--temperature", type=float, default=0.9, help="sampling temperature")
-    parser.add_argument("--max-new-tokens", type=int, default=32, help="completion length limit")
+    parser.add_argument("--temperature", type=float, default=None, help="sampling temperature [the run's, else 0.9]")
+    parser.add_argument("--max-new-tokens", type=int, default=None, help="completion length limit [the run's, else 32]")
     parser.add_argument("--seed", type=int, default=0, help="seed of the first repeat")
     parser.add_argument("--backend", default="auto", choices=["auto", "vllm", "hf"], help="generation backend, as in train.py")
     parser.add_argument("--out", default=None, help="results JSON (eval) or figure PNG (--plot)")
@@ -341,6 +411,11 @@ def main(argv: list[str] | None = None) -> int:
             return 0
         if not args.path:
             raise EvalError("give a PATH to evaluate (run dir, checkpoint or model) or --plot RUN_DIR ...")
+        trained = run_config(args.path)
+        if args.max_new_tokens is None:
+            args.max_new_tokens = trained.get("max_new_tokens") or 32
+        if args.temperature is None:
+            args.temperature = trained.get("temperature") or 0.9
         for name in ("limit", "samples", "repeats", "max_new_tokens"):
             if getattr(args, name) < 1:
                 raise EvalError(f"--{name.replace('_', '-')} {getattr(args, name)} must be >= 1")

@@ -166,8 +166,9 @@ class HFSampler:
                 attention_mask=attention_mask,
                 do_sample=True,
                 temperature=self.temperature,
-                top_k=0,  # sample from the policy itself: no top-k / top-p truncation
-                top_p=1.0,
+                top_k=0,  # sample from the policy itself: no top-k / top-p truncation, no repetition
+                top_p=1.0,  # penalty (Qwen2.5's generation_config sets all three; the update scores the plain policy)
+                repetition_penalty=1.0,
                 max_new_tokens=self.max_new_tokens,
                 pad_token_id=pad,
             )

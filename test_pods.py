@@ -485,8 +485,29 @@ def test_resume_drops_metrics_rows_after_the_checkpoint(tiny_model_dir, tmp_path
     import shutil
 
     shutil.rmtree(out / "checkpoint-2")  # as if the run died after writing step 2's metrics
+    with open(out / "metrics.jsonl", "a") as f:
+        f.write('{"step": 3, "elapsed')  # and in the middle of writing step 3's
     assert train.main(tiny_args(tiny_model_dir, out, "--steps", "2", "--resume")) == 0
     assert [r["step"] for r in read_metrics(out)] == [1, 2]
+
+
+def test_resume_with_other_settings_exits_2_naming_them(tiny_model_dir, tmp_path, capsys, monkeypatch):
+    monkeypatch.setattr(train.rewards, "reward", length_reward)
+    out = tmp_path / "run"
+    assert train.main(tiny_args(tiny_model_dir, out, "--steps", "1")) == 0
+    assert train.main(tiny_args(tiny_model_dir, out, "--steps", "2", "--resume", "--m", "3")) == 2
+    err = capsys.readouterr().err
+    assert "--resume with other settings than" in err and "--m 2 -> 3" in err
+
+
+def test_kl_penalty_measures_the_distance_from_the_base_model(tiny_model_dir, tmp_path, monkeypatch):
+    """--beta > 0: the reference is the model with the adapter off; KL is 0 while the adapter is
+    still zero (step 1) and positive once the update has moved it (step 2)."""
+    monkeypatch.setattr(train.rewards, "reward", length_reward)
+    out = tmp_path / "run"
+    assert train.main(tiny_args(tiny_model_dir, out, "--steps", "2", "--beta", "0.1")) == 0
+    rows = read_metrics(out)
+    assert rows[0]["kl"] == pytest.approx(0.0, abs=1e-6) and rows[1]["kl"] > 1e-6
 
 
 @pytest.mark.parametrize("rule, m, rows_per_step", [("max_variance", 2, 4), ("random", 3, 6), ("none", 4, 8)])
@@ -550,6 +571,27 @@ def test_ctrl_c_finishes_the_step_saves_and_exits_130(tiny_model_dir, tmp_path, 
     assert [p.name for p in train.checkpoints(out)] == ["checkpoint-1"]
 
 
+def test_ctrl_c_that_kills_the_generation_engine_saves_the_last_finished_step(tiny_model_dir, tmp_path, monkeypatch):
+    """vLLM's engine process also gets the Ctrl-C and may die mid-generation: the run still saves
+    a checkpoint of the last finished step, with the data position of that step."""
+    monkeypatch.setattr(train.rewards, "reward", length_reward)
+    original, calls = train.generate_and_score, []
+
+    def engine_dies_on_step_2(*args):
+        calls.append(1)
+        if len(calls) == 2:
+            os.kill(os.getpid(), signal.SIGINT)
+            raise RuntimeError("EngineCore encountered an issue")
+        return original(*args)
+
+    monkeypatch.setattr(train, "generate_and_score", engine_dies_on_step_2)
+    out = tmp_path / "run"
+    assert train.main(tiny_args(tiny_model_dir, out, "--steps", "5")) == 130
+    assert [r["step"] for r in read_metrics(out)] == [1]
+    state = json.loads((out / "checkpoint-1" / "trainer_state.json").read_text())
+    assert state["step"] == 1 and state["data_position"] == 2
+
+
 @pytest.mark.parametrize(
     "argv, message",
     [
@@ -559,6 +601,8 @@ def test_ctrl_c_finishes_the_step_saves_and_exits_130(tiny_model_dir, tmp_path, 
         (["--dataset", "/nonexistent/train.jsonl"], "dataset file /nonexistent/train.jsonl does not exist"),
         (["--model", "/nonexistent/model", "--dataset", "arith"], "could not load model '/nonexistent/model'"),
         (["--resume", "--dataset", "arith"], "--resume: no checkpoint-STEP directory in"),
+        (["--temperature", "0"], "--temperature 0.0 must be > 0"),
+        (["--gen-batch", "0"], "--gen-batch 0 must be >= 1"),
     ],
 )
 def test_bad_input_exits_2_with_one_line(argv, message, tmp_path, capsys):
@@ -579,7 +623,10 @@ def test_an_existing_run_is_not_overwritten_without_resume(tiny_model_dir, tmp_p
     out = tmp_path / "run"
     assert train.main(tiny_args(tiny_model_dir, out, "--steps", "1")) == 0
     assert train.main(tiny_args(tiny_model_dir, out, "--steps", "1")) == 2
-    assert "already has checkpoints; pass --resume" in capsys.readouterr().err
+    assert "already holds a run; pass --resume" in capsys.readouterr().err
+    train.checkpoints(out)[0].rename(out / "gone")  # metrics but no checkpoint (a double Ctrl-C before the first save)
+    assert train.main(tiny_args(tiny_model_dir, out, "--steps", "1")) == 2
+    assert "already holds a run; pass --resume" in capsys.readouterr().err
 
 
 @pytest.mark.slow
@@ -596,6 +643,14 @@ def test_embedded_model_trains_one_step_on_arithmetic(tmp_path):
 # ----------------------------------------------------------------------------- eval.py
 
 import eval as evaluation  # noqa: E402  (eval.py; `eval` is a builtin name)
+
+
+@pytest.fixture(scope="session", autouse=True)
+def base_results_cache(tmp_path_factory):
+    """Base-model eval results go to a temporary cache, not ~/.cache/pods."""
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(evaluation, "BASE_CACHE", tmp_path_factory.mktemp("base_cache"))
+        yield
 
 
 @pytest.fixture(scope="session")
@@ -623,6 +678,40 @@ def test_eval_writes_accuracy_with_standard_error_and_skips_done_checkpoints(tin
     with caplog.at_level("INFO", logger="pods"):
         assert evaluation.main(argv) == 0
     assert "0 to evaluate, 3 already in" in caplog.text
+
+
+def test_eval_reuses_the_base_model_result_across_runs(tiny_run, tmp_path, caplog):
+    argv = [str(tiny_run), "--dataset", "arith", "--limit", "3", "--repeats", "2", "--samples", "2", "--max-new-tokens", "4"]
+    assert evaluation.main(argv) == 0
+    base = json.loads((tiny_run / "eval-arith.json").read_text())["results"][0]
+    with caplog.at_level("INFO", logger="pods"):
+        assert evaluation.main([*argv, "--out", str(tmp_path / "again.json")]) == 0
+    assert "base model: result reused from" in caplog.text
+    again = json.loads((tmp_path / "again.json").read_text())["results"]
+    assert [r["checkpoint"] for r in again] == ["base", "checkpoint-1", "checkpoint-2"] and again[0] == base
+
+
+def test_eval_defaults_to_the_runs_generation_settings_and_redoes_retrained_checkpoints(tiny_run, tmp_path, caplog):
+    import shutil
+
+    run = tmp_path / "run"
+    shutil.copytree(tiny_run, run)
+    for stale in run.glob("eval-*"):
+        stale.unlink()
+    argv = [str(run), "--dataset", "arith", "--limit", "2", "--repeats", "2"]
+    assert evaluation.main(argv) == 0
+    stored = json.loads((run / "eval-arith.json").read_text())
+    assert stored["settings"]["max_new_tokens"] == 6 and stored["settings"]["temperature"] == 0.9  # the run's own
+    state_file = run / "checkpoint-2" / "trainer_state.json"
+    state_file.write_text(json.dumps(json.loads(state_file.read_text()) | {"elapsed_s": 999.0}))  # retrained under the same name
+    caplog.clear()
+    with caplog.at_level("INFO", logger="pods"):
+        assert evaluation.main(argv) == 0
+    assert "1 to evaluate, 2 already in" in caplog.text
+    rows = json.loads((run / "eval-arith.json").read_text())["results"]
+    assert [(r["checkpoint"], r["elapsed_s"]) for r in rows][-1] == ("checkpoint-2", 999.0) and len(rows) == 3
+    assert evaluation.main([str(run / "checkpoint-1"), "--dataset", "arith", "--limit", "2", "--repeats", "2"]) == 0
+    assert (run / "checkpoint-1" / "eval-arith.json").exists()  # one checkpoint: results beside it
 
 
 def test_eval_refuses_results_made_with_other_settings(tiny_run, capsys):
@@ -665,13 +754,14 @@ def test_mean_curve_interpolates_seeds_onto_a_common_grid():
     assert se[1] == pytest.approx(0.5)
 
 
-def fake_run(root: Path, name: str, rule: str, n: int, m: int, curve: list[tuple[float, float]]) -> Path:
+def fake_run(root: Path, name: str, rule: str, n: int, m: int, curve: list[tuple[float, float]],
+             lr: float = 3e-4, limit: int = 64, seed: int = 0) -> Path:
     run = root / name
     run.mkdir()
-    (run / "config.json").write_text(json.dumps({"model_resolved": "embedded", "rule": rule, "n": n, "m": m}))
+    (run / "config.json").write_text(json.dumps({"model_resolved": "embedded", "rule": rule, "n": n, "m": m, "lr": lr, "seed": seed}))
     results = [{"checkpoint": f"checkpoint-{i}", "step": i, "elapsed_s": t, "accuracy": a, "accuracy_se": 0.0,
                 "accuracies": [a], "format_rate": 0.0} for i, (t, a) in enumerate(curve)]
-    (run / "eval-arith.json").write_text(json.dumps({"settings": {}, "results": results}))
+    (run / "eval-arith.json").write_text(json.dumps({"settings": {"limit": limit}, "results": results}))
     return run
 
 
@@ -679,6 +769,8 @@ def test_plot_writes_a_png_and_prints_the_speedup_table(tmp_path, capsys):
     grpo_run = fake_run(tmp_path, "grpo", "none", 8, 8, [(0, 0.2), (120, 0.4), (240, 0.6)])
     pods_run = fake_run(tmp_path, "pods", "max_variance", 16, 8, [(0, 0.2), (60, 0.5), (120, 0.65)])
     never = fake_run(tmp_path, "rand", "random", 16, 8, [(0, 0.2), (60, 0.3), (120, 0.35)])
+    (pods_run / "metrics.jsonl").write_text("".join(json.dumps({"step": s, "elapsed_s": 30.0 * s, "generation_s": 20.0,
+                                                                 "update_s": 10.0}) + "\n" for s in (1, 2, 3, 4)))
     png = tmp_path / "fig.png"
     assert evaluation.main(["--plot", str(grpo_run), str(pods_run), str(never), "--out", str(png)]) == 0
     assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and png.stat().st_size > 5000
@@ -686,6 +778,7 @@ def test_plot_writes_a_png_and_prints_the_speedup_table(tmp_path, capsys):
     assert "baseline GRPO n=8: peak accuracy 0.600, first reached at 4.0 min" in out
     assert "PODS max_variance n=16 m=8" in out and "2.0 min" in out and "2.00x" in out
     assert "never reached" in out
+    assert "pods                              4          20.0      10.0    30.0" in out  # its step costs
 
 
 def test_plot_with_nothing_to_compare_exits_2(tmp_path, capsys):
@@ -694,6 +787,20 @@ def test_plot_with_nothing_to_compare_exits_2(tmp_path, capsys):
     assert evaluation.main(["--plot", str(a), str(b), "--out", str(tmp_path / "f.png")]) == 2
     assert "nothing to compare" in capsys.readouterr().err
     assert evaluation.main(["--plot", str(tmp_path / "nope"), "--out", str(tmp_path / "f.png")]) == 2
+
+
+def test_plot_refuses_runs_that_are_not_comparable(tmp_path, capsys):
+    grpo_run = fake_run(tmp_path, "grpo", "none", 8, 8, [(0, 0.2), (60, 0.4)])
+    other_limit = fake_run(tmp_path, "pods", "max_variance", 8, 4, [(0, 0.2), (60, 0.5)], limit=200)
+    assert evaluation.main(["--plot", str(grpo_run), str(other_limit), "--out", str(tmp_path / "f.png")]) == 2
+    assert "were evaluated with different settings (limit)" in capsys.readouterr().err
+    seed1_other_lr = fake_run(tmp_path, "grpo-s1", "none", 8, 8, [(0, 0.2), (60, 0.4)], lr=1e-4, seed=1)
+    pods_run = fake_run(tmp_path, "pods2", "max_variance", 8, 4, [(0, 0.2), (60, 0.5)])
+    assert evaluation.main(["--plot", str(grpo_run), str(seed1_other_lr), str(pods_run), "--out", str(tmp_path / "f.png")]) == 2
+    assert "are both GRPO n=8 but differ in lr, not only the seed" in capsys.readouterr().err
+    seed1 = fake_run(tmp_path, "grpo-s1b", "none", 8, 8, [(0, 0.2), (60, 0.6)], seed=1)
+    assert evaluation.main(["--plot", str(grpo_run), str(seed1), str(pods_run), "--out", str(tmp_path / "f.png")]) == 0
+    assert "GRPO n=8: peak accuracy 0.500" in capsys.readouterr().out  # the mean of the two seeds
 
 
 # ----------------------------------------------------------------------------- vLLM backend

@@ -67,7 +67,7 @@ class Args:
     max_prompt_tokens: int = arg(512, "prompts longer than this are skipped")
     max_new_tokens: int | None = arg(None, "completion length limit [GPU 512, CPU 32]")
     temperature: float = arg(0.9, "sampling temperature (also divides the logits in the update)")
-    lr: float | None = arg(None, "AdamW learning rate [GPU 5e-6, CPU 1e-4]")
+    lr: float | None = arg(None, "AdamW learning rate [GPU 5e-6, CPU 3e-4]")
     adam_beta1: float = arg(0.9, "AdamW beta1")
     adam_beta2: float = arg(0.99, "AdamW beta2")
     weight_decay: float = arg(0.1, "AdamW weight decay")
@@ -75,10 +75,10 @@ class Args:
     warmup_ratio: float = arg(0.01, "linear warm-up over this share of --steps, then constant")
     lora_rank: int | None = arg(None, "LoRA rank on all attention and MLP projections [GPU 64, CPU 16]")
     lora_alpha: int | None = arg(None, "LoRA alpha [GPU 64, CPU 32]")
-    micro_batch: int | None = arg(None, "rollouts per forward/backward pass; gradients accumulate over the kept rollouts [GPU 4, CPU 16]")
+    micro_batch: int | None = arg(None, "rollouts per forward/backward pass; gradients accumulate over the kept rollouts [GPU 4, CPU 8]")
     clip_eps: float = arg(0.2, "PPO clip range epsilon")
     clip_eps_high: float | None = arg(None, "upper clip range (default: --clip-eps)")
-    beta: float = arg(0.0, "KL penalty weight (the paper uses 0)")
+    beta: float = arg(0.0, "KL penalty weight against the base model, the LoRA adapter switched off (the paper uses 0)")
     steps: int | None = arg(None, "training steps [GPU 1000, CPU 100]")
     time_budget: float = arg(0.0, "stop after this many minutes of training (0 = no limit)")
     save_every_steps: int = arg(25, "save a checkpoint every this many steps (0 = off)")
@@ -96,7 +96,7 @@ class Args:
 
 PROFILES = {
     "gpu": dict(prompts_per_step=8, max_new_tokens=512, lr=5e-6, lora_rank=64, lora_alpha=64, micro_batch=4, steps=1000, gradient_checkpointing=True, bf16_autocast=False),
-    "cpu": dict(prompts_per_step=4, max_new_tokens=32, lr=1e-4, lora_rank=16, lora_alpha=32, micro_batch=8, steps=100, gradient_checkpointing=False, bf16_autocast=True),
+    "cpu": dict(prompts_per_step=4, max_new_tokens=32, lr=3e-4, lora_rank=16, lora_alpha=32, micro_batch=8, steps=100, gradient_checkpointing=False, bf16_autocast=True),
 }
 
 
@@ -134,7 +134,11 @@ def resolve(args: Args, device: str) -> Args:
         raise UsageError(f"--m {args.m} must be >= 2: the advantage divides by the std of the kept rewards")
     if args.backend not in ("auto", "vllm", "hf"):
         raise UsageError(f"unknown --backend {args.backend!r}; choose vllm, hf or auto")
-    for name in ("prompts_per_step", "max_new_tokens", "micro_batch", "steps", "lora_rank"):
+    if args.temperature <= 0:
+        raise UsageError(f"--temperature {args.temperature} must be > 0: GRPO samples its rollouts")
+    if args.beta < 0:
+        raise UsageError(f"--beta {args.beta} must be >= 0")
+    for name in ("prompts_per_step", "max_new_tokens", "micro_batch", "steps", "lora_rank", "gen_batch"):
         if getattr(args, name) < 1:
             raise UsageError(f"--{name.replace('_', '-')} {getattr(args, name)} must be >= 1")
     return args
@@ -253,6 +257,8 @@ def policy_update(model, optimizer, scheduler, kept: list[sampling.Rollout], adv
     Each micro-batch loss is weighted by its share of the kept rollouts, so the accumulated
     gradient is that of grpo_loss over all of them (the mean over completions of per-token means).
     One update per batch: pi_old = pi_theta (detached), so no extra forward pass is needed.
+    With beta > 0 the reference policy is the base model (the LoRA adapter switched off), one
+    extra forward pass without gradients per micro-batch, again on the kept rollouts only.
     """
     model.train()
     device = next(model.parameters()).device
@@ -260,10 +266,15 @@ def policy_update(model, optimizer, scheduler, kept: list[sampling.Rollout], adv
     totals = {"loss": 0.0, "clip_frac": 0.0, "ratio_mean": 0.0, "kl": 0.0}
     for start in range(0, len(kept), args.micro_batch):
         batch = kept[start : start + args.micro_batch]
+        ref_logprobs = None
         with torch.autocast(device.type, dtype=torch.bfloat16, enabled=args.bf16_autocast):
+            if args.beta > 0:
+                with torch.no_grad(), model.disable_adapter():
+                    ref_logprobs, _ = completion_logprobs(model, batch, args.temperature, pad_id)
             logprobs, mask = completion_logprobs(model, batch, args.temperature, pad_id)
         adv = advantages[start : start + len(batch)].to(logprobs.device)
-        loss, stats = grpo.grpo_loss(logprobs, logprobs.detach(), adv, mask, args.clip_eps, args.clip_eps_high, beta=args.beta)
+        loss, stats = grpo.grpo_loss(logprobs, logprobs.detach(), adv, mask, args.clip_eps, args.clip_eps_high,
+                                     ref_logprobs=ref_logprobs, beta=args.beta)
         weight = len(batch) / len(kept)
         (loss * weight).backward()
         totals["loss"] += loss.item() * weight
@@ -351,15 +362,40 @@ def select(scores: torch.Tensor, args: Args, rng: np.random.Generator) -> list[i
 # ----------------------------------------------------------------------------- main loop
 
 
+RESUME_MUST_MATCH = ("model", "dataset", "n", "m", "rule", "lora_rank", "lora_alpha", "prompts_per_step", "seed")
+
+
+def check_resume_config(out_dir: Path, args: Args) -> None:
+    """--resume continues the same experiment: settings that shape the adapter or the data must not change."""
+    path = out_dir / "config.json"
+    if not path.exists():
+        return
+    saved = json.loads(path.read_text())
+    changed = [f"--{k.replace('_', '-')} {saved[k]} -> {getattr(args, k)}" for k in RESUME_MUST_MATCH
+               if k in saved and saved[k] != getattr(args, k)]
+    if changed:
+        raise UsageError(f"--resume with other settings than {path} ({', '.join(changed)}); pass the run's own values or choose another --out-dir")
+
+
+def parse_row(line: str) -> dict | None:
+    """One metrics.jsonl row; None for a line cut short by a crash."""
+    try:
+        return json.loads(line)
+    except json.JSONDecodeError:
+        return None
+
+
 def train(args: Args) -> Path:
     device = "cuda" if torch.cuda.is_available() else "cpu"
     args = resolve(args, device)
     out_dir = Path(args.out_dir)
     found = checkpoints(out_dir) if out_dir.exists() else []
-    if not args.resume and found:
-        raise UsageError(f"{out_dir} already has checkpoints; pass --resume to continue or choose another --out-dir")
+    if not args.resume and (found or (out_dir / "metrics.jsonl").exists()):
+        raise UsageError(f"{out_dir} already holds a run; pass --resume to continue it or choose another --out-dir")
     if args.resume and not found:
         raise UsageError(f"--resume: no checkpoint-STEP directory in {out_dir}")
+    if args.resume:
+        check_resume_config(out_dir, args)
     torch.manual_seed(args.seed)
     rng = np.random.default_rng(args.seed)
 
@@ -376,8 +412,8 @@ def train(args: Args) -> Path:
     metrics_path = out_dir / "metrics.jsonl"
     if args.resume:
         state = load_checkpoint(found[-1], model, optimizer, scheduler, rng)
-        rows = metrics_path.read_text().splitlines() if metrics_path.exists() else []
-        metrics_path.write_text("".join(r + "\n" for r in rows if json.loads(r)["step"] <= state["step"]))
+        rows = [parse_row(line) for line in metrics_path.read_text().splitlines()] if metrics_path.exists() else []
+        metrics_path.write_text("".join(json.dumps(r) + "\n" for r in rows if r and r["step"] <= state["step"]))
         log.info("resumed from %s: step %d, %.0f s of training", found[-1], state["step"], state["elapsed_s"])
     config = dataclasses.asdict(args) | {"model_resolved": model_name, "device": device, "torch": torch.__version__}
     (out_dir / "config.json").write_text(json.dumps(config, indent=2))
@@ -413,7 +449,15 @@ def train_loop(args, model, tokenizer, optimizer, scheduler, sampler, stream, st
                     break
                 start = time.perf_counter()
                 batch = stream.next_batch(args.prompts_per_step)
-                rollouts, scores, correct, formatted = generate_and_score(sampler, batch, args.n)
+                try:
+                    rollouts, scores, correct, formatted = generate_and_score(sampler, batch, args.n)
+                except Exception:
+                    if not stop["requested"]:
+                        raise
+                    # vLLM's engine process gets the Ctrl-C too and may stop mid-generation: the
+                    # policy is still that of the last finished step, which is what gets saved
+                    log.info("generation stopped by Ctrl-C; saving the last finished step %d", state["step"])
+                    break
                 generation_s = time.perf_counter() - start
 
                 kept_idx = select(scores, args, rng)

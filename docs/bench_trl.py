@@ -8,7 +8,7 @@ TRL is not a dependency of this project; measure it in a venv of its own (README
 
 Configuration matched to our trainer's CPU preset: SmolLM2-135M-Instruct (fp32), LoRA r=16 / alpha=32 on all
 attention + MLP projections, 4 prompts x 8 generations = 32 completions per optimizer step, max 32 new tokens,
-temperature 0.9, lr 1e-4, beta=0 (no reference model), num_iterations=1, plain transformers .generate (no vLLM),
+temperature 0.9, lr 1e-4 (the CPU preset's value when this was measured; the rate does not change a step's time), beta=0 (no reference model), num_iterations=1, plain transformers .generate (no vLLM),
 no gradient checkpointing, no bf16.
 
 Batch bookkeeping in TRL 1.16 (see trl/trainer/grpo_config.py __post_init__):
