@@ -10,9 +10,11 @@ The paper's claim is about time: GRPO-PODS reaches vanilla GRPO's peak test accu
 
 Scoring uses the training prompt (sampling.build_prompt) and rewards.py, so train and test
 accuracy mean the same thing. Each checkpoint is evaluated `--repeats` times (different
-sampling seeds); accuracy is reported as the mean with its standard error. For a run
-directory, the base model (step 0, time 0) is evaluated too, and results go to
-RUN/eval-DATASET.json (and .csv); checkpoints already there are skipped unless --force.
+sampling seeds); accuracy is reported as the mean with its standard error. Temperature and
+completion length default to the run's own (its config.json). For a run directory, the base
+model (step 0, time 0) is evaluated too, and results go to RUN/eval-DATASET.json (and .csv);
+for one checkpoint, into its directory. Checkpoints already there (same model, step and training
+time) are skipped unless --force; the base model's result is cached in ~/.cache/pods/eval.
 """
 
 from __future__ import annotations
