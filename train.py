@@ -304,7 +304,8 @@ def save_checkpoint(out_dir: Path, model, optimizer, scheduler, state: dict, rng
     shutil.rmtree(tmp, ignore_errors=True)
     model.save_pretrained(tmp)
     torch.save({"optimizer": optimizer.state_dict(), "scheduler": scheduler.state_dict(),
-                "torch_rng": torch.get_rng_state(), "numpy_rng": rng.bit_generator.state}, tmp / "training_state.pt")
+                "torch_rng": torch.get_rng_state(), "numpy_rng": rng.bit_generator.state,
+                "cuda_rng": torch.cuda.get_rng_state_all() if torch.cuda.is_available() else None}, tmp / "training_state.pt")
     (tmp / "trainer_state.json").write_text(json.dumps(state, indent=2))
     shutil.rmtree(path, ignore_errors=True)
     tmp.rename(path)
@@ -320,6 +321,8 @@ def load_checkpoint(path: Path, model, optimizer, scheduler, rng: np.random.Gene
     optimizer.load_state_dict(saved["optimizer"])
     scheduler.load_state_dict(saved["scheduler"])
     torch.set_rng_state(saved["torch_rng"])
+    if saved.get("cuda_rng") is not None and torch.cuda.is_available():
+        torch.cuda.set_rng_state_all(saved["cuda_rng"])
     rng.bit_generator.state = saved["numpy_rng"]
     return json.loads((path / "trainer_state.json").read_text())
 
