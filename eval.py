@@ -35,6 +35,7 @@ import torch
 import data
 import rewards
 import sampling
+import train
 
 log = logging.getLogger("pods")
 BASE = "base"  # the name under which a run's untrained starting point is recorded
@@ -80,8 +81,7 @@ def find_targets(path: str) -> tuple[str, list[Target], Path | None]:
     if (p / "adapter_config.json").exists():
         return base_model_of(p), [target_of(p)], None
     if p.is_dir() and (p / "config.json").exists() and json.loads((p / "config.json").read_text()).get("model_resolved"):
-        found = sorted((c for c in p.glob("checkpoint-*") if c.name.split("-")[-1].isdigit() and (c / "adapter_config.json").exists()),
-                       key=lambda c: int(c.name.split("-")[-1]))
+        found = [c for c in train.checkpoints(p) if (c / "adapter_config.json").exists()]
         if not found:
             raise EvalError(f"{p} has no checkpoint-STEP directories yet; train first or wait for the first save")
         return base_model_of(found[0]), [Target(BASE, None)] + [target_of(c) for c in found], p
@@ -98,16 +98,16 @@ def target_of(checkpoint: Path) -> Target:
 
 def base_model_of(checkpoint: Path) -> str:
     """The model a checkpoint's adapter belongs to: the run's config.json, else the adapter's."""
-    run_config = checkpoint.parent / "config.json"
-    if run_config.exists():
-        return json.loads(run_config.read_text())["model_resolved"]
+    trained = run_config(str(checkpoint))
+    if trained:
+        return trained["model_resolved"]
     return json.loads((checkpoint / "adapter_config.json").read_text())["base_model_name_or_path"]
 
 
 # ----------------------------------------------------------------------------- scoring
 
 
-def evaluate_target(model, tokenizer, sampler, target: Target, base: str, examples: list[data.Example], settings: Settings) -> dict:
+def evaluate_target(model, tokenizer, sampler, target: Target, examples: list[data.Example], settings: Settings) -> dict:
     """Accuracy (mean and standard error over repeats) and format rate of one target."""
     prompts = [sampling.build_prompt(tokenizer, e.question) for e in examples]
     accuracies, format_rates = [], []
@@ -119,7 +119,7 @@ def evaluate_target(model, tokenizer, sampler, target: Target, base: str, exampl
         accuracies.append(float(np.mean(correct)))
         format_rates.append(float(np.mean(formatted)))
     se = float(np.std(accuracies, ddof=1) / math.sqrt(len(accuracies))) if len(accuracies) > 1 else 0.0
-    return {"checkpoint": target.name, "step": target.step, "elapsed_s": target.elapsed_s, "model": base,
+    return {"checkpoint": target.name, "step": target.step, "elapsed_s": target.elapsed_s,
             "accuracy": float(np.mean(accuracies)), "accuracy_se": se, "accuracies": accuracies,
             "format_rate": float(np.mean(format_rates))}
 
@@ -195,9 +195,10 @@ def evaluate(path: str, settings: Settings, out: str | None, force: bool, backen
         load_target(model, sampler, target)
         if target.adapter is None and adapters:
             with model.disable_adapter():
-                result = evaluate_target(model, tokenizer, sampler, target, base, examples, settings)
+                result = evaluate_target(model, tokenizer, sampler, target, examples, settings)
         else:
-            result = evaluate_target(model, tokenizer, sampler, target, base, examples, settings)
+            result = evaluate_target(model, tokenizer, sampler, target, examples, settings)
+        result["model"] = base  # what is_result_of matches on
         done.append(result)
         write_results(out_path, settings, done)  # after every checkpoint: an interrupted eval keeps its work
         if target.adapter is None:
@@ -249,14 +250,19 @@ def speedups(curves: dict[str, tuple[list[float], list[float]]], baseline: str) 
     return peak, t_base, {label: time_to_reach(t, a, peak) for label, (t, a) in curves.items() if label != baseline}
 
 
-def label_of(run_dir: Path) -> str:
-    config = json.loads((run_dir / "config.json").read_text())
+def label_of(config: dict) -> str:
+    """A run's legend label from its config.json: rule, n and m."""
     if config["rule"] == "none":
         return f"GRPO n={config['n']}"
     return f"PODS {config['rule']} n={config['n']} m={config['m']}"
 
 
 SEED_FIELDS = {"seed", "out_dir", "resume", "torch", "device"}  # what may differ between seeds of one setting
+
+
+def differing_keys(a: dict, b: dict, ignore: frozenset[str] | set[str] = frozenset()) -> list[str]:
+    """Keys whose values differ between a and b (missing counts as different), sorted."""
+    return sorted(k for k in a.keys() | b.keys() if k not in ignore and a.get(k) != b.get(k))
 
 
 def group_curves(run_dirs: list[Path], dataset: str | None) -> dict[str, list[tuple[list[float], list[float]]]]:
@@ -278,15 +284,14 @@ def group_curves(run_dirs: list[Path], dataset: str | None) -> dict[str, list[tu
         if eval_settings is None:
             eval_settings = (run, stored["settings"])
         elif stored["settings"] != eval_settings[1]:
-            differing = sorted(k for k in stored["settings"].keys() | eval_settings[1].keys()
-                               if stored["settings"].get(k) != eval_settings[1].get(k))
+            differing = differing_keys(stored["settings"], eval_settings[1])
             raise EvalError(f"{run} and {eval_settings[0]} were evaluated with different settings ({', '.join(differing)}); "
                             f"evaluate them alike (--force) before comparing")
-        label, config = label_of(run), json.loads((run / "config.json").read_text())
+        config = json.loads((run / "config.json").read_text())
+        label = label_of(config)
         if label in first_config:
             other, other_config = first_config[label]
-            differing = sorted(k for k in config.keys() | other_config.keys()
-                               if k not in SEED_FIELDS and config.get(k) != other_config.get(k))
+            differing = differing_keys(config, other_config, ignore=SEED_FIELDS)
             if differing:
                 raise EvalError(f"{run} and {other} are both {label} but differ in {', '.join(differing)}, "
                                 f"not only the seed; plot them separately")
@@ -313,7 +318,7 @@ def step_costs(run_dirs: list[Path]) -> list[str]:
     lines = [f"{'run':<28}{'steps':>7}{'generation s':>14}{'update s':>10}{'step s':>8}"]
     for run in run_dirs:
         path = run / "metrics.jsonl"
-        rows = [json.loads(line) for line in path.read_text().splitlines()] if path.exists() else []
+        rows = [r for r in map(train.parse_row, path.read_text().splitlines()) if r] if path.exists() else []
         if rows:
             generation, update = (float(np.mean([r[k] for r in rows])) for k in ("generation_s", "update_s"))
             lines.append(f"{run.name:<28}{len(rows):>7}{generation:>14.1f}{update:>10.1f}{rows[-1]['elapsed_s'] / len(rows):>8.1f}")
@@ -378,9 +383,9 @@ def run_config(path: str) -> dict:
     return {}
 
 
-def default_dataset(path: str) -> str:
-    """The test split of the task a run trained on (gsm8k or arith); arith otherwise."""
-    trained_on = run_config(path).get("dataset") or ""
+def default_dataset(trained: dict) -> str:
+    """The test split of the task a run trained on (gsm8k or arith; `trained` is its config); arith otherwise."""
+    trained_on = trained.get("dataset") or ""
     if trained_on == data.GSM8K or data.arith_levels(trained_on) is not None:
         return trained_on
     return data.ARITH
@@ -423,7 +428,7 @@ def main(argv: list[str] | None = None) -> int:
                 raise EvalError(f"--{name.replace('_', '-')} {getattr(args, name)} must be >= 1")
         if args.temperature <= 0:
             raise EvalError(f"--temperature {args.temperature} must be > 0: repeats measure sampling variation")
-        settings = Settings(args.dataset or default_dataset(args.path), args.limit, args.samples, args.repeats, args.temperature, args.max_new_tokens, args.seed)
+        settings = Settings(args.dataset or default_dataset(trained), args.limit, args.samples, args.repeats, args.temperature, args.max_new_tokens, args.seed)
         out = evaluate(args.path, settings, args.out, args.force, args.backend)
         print(f"results: {out}")
     except (EvalError, data.DataError, sampling.SetupError) as err:
