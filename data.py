@@ -1,6 +1,7 @@
 """Tasks: question/answer pairs from GSM8K, a GSM8K-style .jsonl file, or a built-in generator.
 
-- `gsm8k`: the hub dataset openai/gsm8k (via `datasets`), the paper's task.
+- `gsm8k`: the hub dataset openai/gsm8k (via `datasets`), the paper's task. With no hub (offline
+  variables set, or one quick connection attempt fails) it fails at once with what to pass instead.
 - a path to a `.jsonl` file with `question` and `answer` per row; the answer is either a GSM8K
   solution ending in "#### N" or a bare number.
 - `arith`: procedurally generated arithmetic word problems with answers computed by the
@@ -15,7 +16,10 @@ Run `python data.py` to print a few problems of each level.
 from __future__ import annotations
 
 import json
+import os
 import random
+import socket
+from urllib.parse import urlparse
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -116,6 +120,20 @@ def arith_levels(dataset: str) -> tuple[int, ...] | None:
     return tuple(sorted({int(d) for d in digits}))
 
 
+def hub_unreachable(timeout_s: float = 3.0) -> str | None:
+    """Why the dataset hub can't be reached, found without the hub client's retries (~25 s offline);
+    None when it may be. Offline variables (HF_HUB_OFFLINE, HF_DATASETS_OFFLINE) are left to `datasets`,
+    which then reads its local cache."""
+    if any(os.environ.get(v, "").lower() in ("1", "true", "yes", "on") for v in ("HF_HUB_OFFLINE", "HF_DATASETS_OFFLINE")):
+        return None
+    host = urlparse(os.environ.get("HF_ENDPOINT", "https://huggingface.co")).hostname or "huggingface.co"
+    try:
+        socket.create_connection((host, 443), timeout=timeout_s).close()
+    except OSError as err:
+        return f"{host} unreachable: {err}"
+    return None
+
+
 def load_examples(dataset: str, split: str, arith_size: int = 20_000, seed: int = 0) -> list[Example]:
     """Examples of `dataset` ("gsm8k", "arith", "arith:LEVELS" or a .jsonl path); split is
     "train" or "test".
@@ -130,12 +148,15 @@ def load_examples(dataset: str, split: str, arith_size: int = 20_000, seed: int 
         return arith_examples(arith_size, seed, levels)
     if dataset == GSM8K:
         try:
+            offline = hub_unreachable()
+            if offline:
+                raise ConnectionError(offline)
             from datasets import load_dataset
 
             rows = load_dataset("openai/gsm8k", "main", split=split)
         except Exception as err:  # offline, hub down, no `datasets`: all end the same way
             raise DataError(
-                f"could not download GSM8K ({type(err).__name__}); pass a local GSM8K-style file "
+                f"could not download GSM8K ({type(err).__name__}: {str(err)[:80]}); pass a local GSM8K-style file "
                 f"(--dataset path/to/{split}.jsonl) or the built-in task (--dataset {ARITH})"
             ) from None
         return [e for e in map(_example, rows) if e is not None]

