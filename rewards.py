@@ -6,9 +6,10 @@ credit for answering in the requested format
     <think> reasoning </think>
     <answer> final answer </answer>
 
-The answer is the content of the last <answer>...</answer>; when there is none we fall back to
-the last number in the completion, as the authors' code does. Numbers are compared after
-normalization ("$1,000.00" == "1000", "3/4" == "0.75", "12 apples" == "12").
+An answer counts as correct when the content of the last <answer>...</answer>, or the last
+number anywhere in the completion, equals the reference: the authors' grader accepts either (and
+the whole text), so a right answer is scored right whatever its format. Numbers are compared
+after normalization ("$1,000.00" == "1000", "3/4" == "0.75" == "\\frac{3}{4}", "12 apples" == "12").
 
 Standard library only. No input string makes any function here raise, except
 `parse_gsm8k_solution`, which reads the dataset and rejects a row without "#### N".
@@ -33,16 +34,21 @@ _STRUCTURE = re.compile(r"^\s*<think>.*?</think>\s*<answer>.*?</answer>\s*$", re
 # A number: optional minus (not after a word character, so "5-3" reads as 5 and 3), digits
 # with optional thousands commas ("1,000" but not "1,2"), optional decimals, optional "/denominator"; or ".5".
 _NUMBER = re.compile(r"(?:(?<![\w)])-\s?)?(?:(?:\d{1,3}(?:,\d{3})+(?!\d)|\d+)(?:\.\d+)?(?:\s?/\s?\d+)?|\.\d+)")
+# LaTeX fractions: \frac{3}{4}, \dfrac{-1}{2}, \tfrac34 (one-digit arguments need no braces).
+_FRAC = re.compile(r"\\[dt]?frac\s*(?:\{\s*(-?\d+)\s*\}|(\d))\s*(?:\{\s*(\d+)\s*\}|(\d))")
 
 
 def _numbers(text: str) -> list[str]:
+    text = _FRAC.sub(lambda f: f" {f[1] or f[2]}/{f[3] or f[4]}", text)  # the space keeps 2\frac{1}{2} from reading as 21/2
+    text = text.replace("{,}", ",").replace("\\,", ",")  # LaTeX thousands separators: 1{,}000, 1\,000
     return _NUMBER.findall(text.replace("$", ""))
 
 
 def normalize_number(s: str | None) -> str | None:
     """The last number in `s` in canonical form, or None if there is none.
 
-    Tolerates "$", thousands commas, "%", a trailing ".", units and words around the number.
+    Tolerates "$", thousands commas, "%", a trailing ".", units and words around the number, and
+    LaTeX ("\\boxed{12}", "\\frac{3}{4}", "1{,}000").
     "12.0" and "12" both give "12", "-3.50" gives "-3.5", "3/4" and "0.75" both give "0.75",
     "1/3" gives "1/3" (a fraction without a finite decimal stays a fraction).
     """
@@ -104,9 +110,14 @@ def extract_answer(completion: str) -> str | None:
 
 
 def correctness_reward(completion: str, answer: str) -> float:
-    """CORRECT_REWARD if the extracted answer equals `answer` as a number, else 0.0."""
-    predicted = normalize_number(extract_answer(completion))
-    return CORRECT_REWARD if predicted is not None and predicted == normalize_number(answer) else 0.0
+    """CORRECT_REWARD if the extracted answer or the last number anywhere in the completion equals
+    `answer` as a number; 0.0 otherwise.
+
+    Either one suffices, as in the authors' grader: "<answer>seventy-two</answer> so 72" is correct.
+    """
+    expected = normalize_number(answer)
+    found = (normalize_number(extract_answer(completion)), normalize_number(completion))
+    return CORRECT_REWARD if expected is not None and expected in found else 0.0
 
 
 def is_well_formatted(completion: str) -> bool:

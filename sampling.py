@@ -136,12 +136,17 @@ def cut_at_stop(token_ids: list[int], stops: set[int]) -> tuple[list[int], bool]
 
 class HFSampler:
     """Sampling with transformers `generate` on the model being trained (shares its weights,
-    so a LoRA update is visible to the next generate call with no hand-over)."""
+    so a LoRA update is visible to the next generate call with no hand-over).
 
-    def __init__(self, model, tokenizer, max_new_tokens: int, temperature: float, batch_size: int = 64, autocast_bf16: bool = False):
+    Each call generates whole groups: `batch_size` sequences, rounded up to a multiple of n. With
+    `share_prompt` each distinct prompt is prefilled once and its KV cache copied to its n rows
+    (`prefill_shared`), instead of prefilled n times."""
+
+    def __init__(self, model, tokenizer, max_new_tokens: int, temperature: float, batch_size: int = 64,
+                 autocast_bf16: bool = False, share_prompt: bool = True):
         self.model, self.tokenizer = model, tokenizer
         self.max_new_tokens, self.temperature = max_new_tokens, temperature
-        self.batch_size, self.autocast_bf16 = batch_size, autocast_bf16
+        self.batch_size, self.autocast_bf16, self.share_prompt = batch_size, autocast_bf16, share_prompt
         self.stops = stop_token_ids(tokenizer, getattr(model, "generation_config", None))
 
     def set_adapter(self, path: str | None) -> None:
@@ -158,25 +163,37 @@ class HFSampler:
 
     @torch.inference_mode()
     def generate(self, prompts: list[list[int]], n: int) -> list[list[Rollout]]:
-        flat = [p for p in prompts for _ in range(n)]  # each prompt repeated n times, in order
+        per_call = max(1, self.batch_size // n)  # prompts per generate call, each with its n rollouts
         rollouts: list[Rollout] = []
         was_training = self.model.training
         self.model.eval()
-        for start in range(0, len(flat), self.batch_size):
-            rollouts.extend(self._generate_batch(flat[start : start + self.batch_size]))
+        for start in range(0, len(prompts), per_call):
+            rollouts.extend(self._generate_batch(prompts[start : start + per_call], n))
         self.model.train(was_training)
         return [rollouts[i * n : (i + 1) * n] for i in range(len(prompts))]
 
-    def _generate_batch(self, prompts: list[list[int]]) -> list[Rollout]:
+    def prefill_shared(self, input_ids: torch.Tensor, attention_mask: torch.Tensor, n: int):
+        """The KV cache of all but the last token of each prompt, computed once per prompt and then
+        repeated for its n rows; `generate` continues from it with the last prompt token. Exact: the
+        cache of a prompt does not depend on the rollout that will follow it."""
+        position_ids = (attention_mask.cumsum(dim=1) - 1).clamp(min=0)  # as generate() numbers a left-padded prompt
+        cache = self.model(input_ids=input_ids[:, :-1], attention_mask=attention_mask[:, :-1],
+                           position_ids=position_ids[:, :-1], use_cache=True, logits_to_keep=1).past_key_values
+        cache.batch_repeat_interleave(n)
+        return cache
+
+    def _generate_batch(self, prompts: list[list[int]], n: int) -> list[Rollout]:
         device = next(self.model.parameters()).device
         width = max(len(p) for p in prompts)
         pad = self.tokenizer.pad_token_id
         input_ids = torch.tensor([[pad] * (width - len(p)) + p for p in prompts], device=device)
         attention_mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in prompts], device=device)
         with torch.autocast(device.type, dtype=torch.bfloat16, enabled=self.autocast_bf16):
+            cache = self.prefill_shared(input_ids, attention_mask, n) if self.share_prompt and n > 1 and width > 1 else None
             out = self.model.generate(
-                input_ids=input_ids,
-                attention_mask=attention_mask,
+                input_ids=input_ids.repeat_interleave(n, dim=0),  # each prompt n times, in order
+                attention_mask=attention_mask.repeat_interleave(n, dim=0),
+                past_key_values=cache,
                 do_sample=True,
                 temperature=self.temperature,
                 top_k=0,  # sample from the policy itself: no top-k / top-p truncation, no repetition
@@ -186,7 +203,7 @@ class HFSampler:
                 pad_token_id=pad,
             )
         result = []
-        for prompt, row in zip(prompts, out[:, width:].tolist()):
+        for prompt, row in zip([p for p in prompts for _ in range(n)], out[:, width:].tolist()):
             completion, truncated = cut_at_stop(row, self.stops)
             text = self.tokenizer.decode(completion, skip_special_tokens=True)
             result.append(Rollout(prompt, completion, text, truncated))

@@ -93,7 +93,8 @@ class Args:
     vllm_sleep: bool = arg(False, "vLLM: free its KV cache during each update and re-allocate it before the next generation (memory for training, at a cost per step)")
     gradient_checkpointing: bool | None = arg(None, "recompute activations in the backward pass [GPU on, CPU off]")
     bf16_autocast: bool | None = arg(None, "bfloat16 autocast for generation and the update; float32 weights [GPU off (weights are bf16), CPU on: ~2x faster]")
-    gen_batch: int = arg(64, "hf backend: sequences per generate call")
+    gen_batch: int = arg(64, "hf backend: sequences per generate call (rounded up to whole groups of n)")
+    share_prompt: bool = arg(True, "compute each prompt once per group: one prefill in hf generation, one forward per micro-batch in the update (exact)")
     benchmark: bool = arg(False, "time one step's phases for GRPO (m=n) and PODS (m=n/2, n/4), print a table, exit")
 
 
@@ -211,7 +212,8 @@ def make_sampler(args: Args, model, tokenizer, model_name: str, device: str):
             gpu_memory_utilization=args.gpu_memory_utilization, kv_cache_gb=args.vllm_kv_cache_gb,
             enforce_eager=args.vllm_enforce_eager, sleep_during_update=args.vllm_sleep, dtype="bfloat16", seed=args.seed,
         )
-    return sampling.HFSampler(model, tokenizer, args.max_new_tokens, args.temperature, args.gen_batch, autocast_bf16=args.bf16_autocast)
+    return sampling.HFSampler(model, tokenizer, args.max_new_tokens, args.temperature, args.gen_batch,
+                              autocast_bf16=args.bf16_autocast, share_prompt=args.share_prompt)
 
 
 class PromptStream:
@@ -265,10 +267,89 @@ def completion_logprobs(model, rollouts: list[sampling.Rollout], temperature: fl
         mask.append([1] * c + [0] * (C - c))
     ids, attention = torch.tensor(ids, device=device), torch.tensor(attention, device=device)
     position_ids = (attention.cumsum(dim=1) - 1).clamp(min=0)  # as generate() numbers a left-padded prompt
-    logits = model(input_ids=ids, attention_mask=attention, position_ids=position_ids, logits_to_keep=C + 1).logits
+    logits = model(input_ids=ids, attention_mask=attention, position_ids=position_ids, logits_to_keep=C + 1, use_cache=False).logits
     logits = logits[:, :-1].float() / temperature  # position t predicts token t + 1; float32 even under autocast
     logprobs = grpo.token_logprobs(logits, torch.tensor(targets, device=device))
     return logprobs, torch.tensor(mask, device=device)
+
+
+def prompt_groups(rollouts: list[sampling.Rollout]) -> list[list[int]]:
+    """Indices of the rollouts in runs of consecutive rollouts with the same prompt (a prompt's group)."""
+    groups: list[list[int]] = []
+    for i, r in enumerate(rollouts):
+        if groups and rollouts[groups[-1][0]].prompt_ids == r.prompt_ids:
+            groups[-1].append(i)
+        else:
+            groups.append([i])
+    return groups
+
+
+def shared_prompt_logprobs(model, rollouts: list[sampling.Rollout], temperature: float, pad_id: int):
+    """completion_logprobs with each distinct prompt forwarded once ("prefix sharing").
+
+    Consecutive rollouts of one prompt are packed into one row, [prompt, completion 1, completion 2,
+    ...], and a 4D attention mask lets every completion token attend to the prompt and to the earlier
+    tokens of its own completion only; position ids restart after the prompt for each completion.
+    Each completion therefore sees exactly the context it sees alone, and the result equals
+    completion_logprobs' (a test checks log-probs and LoRA gradients). This is exact because
+    attention is causal: the prompt's hidden states do not depend on what follows it, so one pass
+    over the prompt serves every completion, and autograd sums the completions' gradients through
+    the prompt's keys and values back into that one pass. A row costs P + sum_j C_j tokens instead of
+    sum_j (P + C_j). No KV cache is involved, so gradient checkpointing's recomputation is exact too.
+    """
+    device = next(model.parameters()).device
+    rows = prompt_groups(rollouts)  # indices into rollouts, one list per packed row
+    P = max(len(r.prompt_ids) for r in rollouts)  # prompts left-padded to end at column P
+    L = P + max(sum(len(rollouts[i].completion_ids) for i in row) for row in rows)
+    C = max(len(r.completion_ids) for r in rollouts)
+    ids = torch.full((len(rows), L), pad_id, dtype=torch.long)
+    segment = torch.full((len(rows), L), -1)  # -1 padding, 0 prompt, j = completion j of the row
+    position = torch.zeros((len(rows), L), dtype=torch.long)
+    row_of, column_of = torch.zeros((len(rollouts), C), dtype=torch.long), torch.zeros((len(rollouts), C), dtype=torch.long)
+    targets, mask = torch.full((len(rollouts), C), pad_id, dtype=torch.long), torch.zeros((len(rollouts), C), dtype=torch.long)
+    for r, row in enumerate(rows):
+        prompt = rollouts[row[0]].prompt_ids
+        p = len(prompt)
+        ids[r, P - p : P], segment[r, P - p : P], position[r, P - p : P] = torch.tensor(prompt), 0, torch.arange(p)
+        start = P
+        for j, i in enumerate(row, start=1):
+            c = len(rollouts[i].completion_ids)
+            ids[r, start : start + c], segment[r, start : start + c] = torch.tensor(rollouts[i].completion_ids), j
+            position[r, start : start + c] = p + torch.arange(c)
+            # token t of completion j is predicted at column start + t - 1; its first token by the prompt's last one
+            row_of[i], column_of[i, :c] = r, torch.cat([torch.tensor([P - 1]), start + torch.arange(c - 1)])
+            targets[i, :c], mask[i, :c] = torch.tensor(rollouts[i].completion_ids), 1
+            start += c
+    query, key = segment[:, :, None], segment[:, None, :]
+    causal = torch.ones(L, L, dtype=torch.bool).tril()
+    attend = ((key == 0) | (key == query)) & (key >= 0) & causal | torch.eye(L, dtype=torch.bool)  # padding sees itself
+    attention = attend[:, None].to(device)
+    if model.config._attn_implementation == "eager":  # eager attention adds the mask to its scores
+        attention = torch.zeros(attention.shape, device=device).masked_fill(~attention, torch.finfo(torch.float32).min)
+    elif model.config._attn_implementation != "sdpa":
+        raise sampling.SetupError(f"--share-prompt needs sdpa or eager attention, not {model.config._attn_implementation}; pass --no-share-prompt")
+    logits = model(input_ids=ids.to(device), attention_mask=attention, position_ids=position.to(device),
+                   logits_to_keep=L - P + 1, use_cache=False).logits
+    logits = logits.float() / temperature  # column k holds the logits at packed column P - 1 + k
+    normalizer = torch.stack([torch.logsumexp(row, dim=-1) for row in logits])  # one row at a time, as grpo.token_logprobs
+    row_of, column_of, targets = row_of.to(device), column_of.to(device) - (P - 1), targets.to(device)
+    logprobs = logits[row_of, column_of, targets] - normalizer[row_of, column_of]
+    return logprobs, mask.to(device)
+
+
+def micro_batches(kept: list[sampling.Rollout], size: int) -> list[list[int]]:
+    """Indices of the kept rollouts in micro-batches of at most `size`, aligned with prompt groups:
+    whole groups share a micro-batch while they fit, and a group larger than `size` is split into
+    as few pieces as possible, so with --share-prompt each prompt is forwarded as few times as the
+    micro-batch size allows (once per group when m <= size)."""
+    pieces = [group[k : k + size] for group in prompt_groups(kept) for k in range(0, len(group), size)]
+    batches: list[list[int]] = []
+    for piece in pieces:
+        if batches and len(batches[-1]) + len(piece) <= size:
+            batches[-1].extend(piece)
+        else:
+            batches.append(list(piece))
+    return batches
 
 
 def policy_update(model, optimizer, scheduler, kept: list[sampling.Rollout], advantages: torch.Tensor, args: Args, pad_id: int) -> dict:
@@ -276,6 +357,8 @@ def policy_update(model, optimizer, scheduler, kept: list[sampling.Rollout], adv
 
     Each micro-batch loss is weighted by its share of the kept rollouts, so the accumulated
     gradient is that of grpo_loss over all of them (the mean over completions of per-token means).
+    With --share-prompt, micro-batches follow the prompt groups and each prompt in one is
+    forwarded once (shared_prompt_logprobs).
     One update per batch: pi_old = pi_theta (detached), so no extra forward pass is needed.
     With beta > 0 the reference policy is the base model (the LoRA adapter switched off), one
     extra forward pass without gradients per micro-batch, again on the kept rollouts only.
@@ -284,15 +367,16 @@ def policy_update(model, optimizer, scheduler, kept: list[sampling.Rollout], adv
     device = next(model.parameters()).device
     optimizer.zero_grad(set_to_none=True)
     totals = {"loss": 0.0, "clip_frac": 0.0, "ratio_mean": 0.0, "kl": 0.0}
-    for start in range(0, len(kept), args.micro_batch):
-        batch = kept[start : start + args.micro_batch]
+    logprobs_of = shared_prompt_logprobs if args.share_prompt else completion_logprobs
+    for indices in micro_batches(kept, args.micro_batch):
+        batch = [kept[i] for i in indices]
         ref_logprobs = None
         with torch.autocast(device.type, dtype=torch.bfloat16, enabled=args.bf16_autocast):
             if args.beta > 0:
                 with torch.no_grad(), model.disable_adapter():
-                    ref_logprobs, _ = completion_logprobs(model, batch, args.temperature, pad_id)
-            logprobs, mask = completion_logprobs(model, batch, args.temperature, pad_id)
-        adv = advantages[start : start + len(batch)].to(logprobs.device)
+                    ref_logprobs, _ = logprobs_of(model, batch, args.temperature, pad_id)
+            logprobs, mask = logprobs_of(model, batch, args.temperature, pad_id)
+        adv = advantages[indices].to(logprobs.device)
         loss, stats = grpo.grpo_loss(logprobs, logprobs.detach(), adv, mask, args.clip_eps, args.clip_eps_high,
                                      ref_logprobs=ref_logprobs, beta=args.beta)
         weight = len(batch) / len(kept)
@@ -542,12 +626,47 @@ def train_loop(args, model, tokenizer, optimizer, scheduler, sampler, stream, st
         raise KeyboardInterrupt
 
 
-def benchmark(args: Args, repeats: int = 2) -> list[dict]:
-    """Time one step's phases for GRPO (m = n) and PODS (m = n/2, n/4) on the same rollouts.
+def peak_memory_mb(fn):
+    """(fn's result, the peak memory it added in MiB): CUDA's allocator peak on a GPU; on a CPU the
+    process's resident memory, sampled every 5 ms in a thread, above its level at the start."""
+    import threading
 
-    Each repeat generates n rollouts for --prompts-per-step prompts once (the generation phase
-    is the same for all three), then runs the update on the m kept by --rule for each m.
-    Prints mean seconds per phase and the ratio of each step to GRPO's.
+    if torch.cuda.is_available():
+        torch.cuda.synchronize()
+        torch.cuda.reset_peak_memory_stats()
+        before = torch.cuda.memory_allocated()
+        result = fn()
+        torch.cuda.synchronize()
+        return result, (torch.cuda.max_memory_allocated() - before) / 2**20
+
+    def rss() -> int:
+        with open("/proc/self/statm") as f:
+            return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+
+    before, peak, done = rss(), [0], threading.Event()
+
+    def watch():
+        while not done.wait(0.005):
+            peak[0] = max(peak[0], rss())
+
+    watcher = threading.Thread(target=watch, daemon=True)
+    watcher.start()
+    try:
+        result = fn()
+    finally:
+        done.set()
+        watcher.join()
+    return result, max(0, max(peak[0], rss()) - before) / 2**20
+
+
+def benchmark(args: Args, repeats: int = 2) -> list[dict]:
+    """Time one step's phases for GRPO (m = n) and PODS (m = n/2, n/4), each with the prompt computed
+    once per rollout and once per group (--no-share-prompt / --share-prompt), on the same rollouts.
+
+    Each repeat draws --prompts-per-step prompts and generates their n rollouts twice from the same
+    seed, without and with the shared prefill (the same tokens come out, so the work is the same),
+    then runs the update on the m kept by --rule for each m, without and with prompt sharing,
+    measuring its peak memory too. Prints the means and the ratios to GRPO's step.
     """
     device = "cuda" if torch.cuda.is_available() else "cpu"
     args = resolve(dataclasses.replace(args, m=args.n, rule=args.rule if args.rule != "none" else "max_variance"), device)
@@ -559,34 +678,47 @@ def benchmark(args: Args, repeats: int = 2) -> list[dict]:
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: 1.0)
     sampler = make_sampler(args, model, tokenizer, model_name, device)
     sampler.generate([stream.next_batch(1)[0][0]], 2)  # warm-up: first calls pay one-off costs
-    ms = [args.n, args.n // 2, args.n // 4]
-    gen_s, upd_s, tokens = [], {m: [] for m in ms}, []
-    for _ in range(repeats):
-        start = time.perf_counter()
-        rollouts, scores, _, _ = generate_and_score(sampler, stream.next_batch(args.prompts_per_step), args.n)
-        gen_s.append(time.perf_counter() - start)
+    ms, shares = [args.n, args.n // 2, args.n // 4], (False, True)
+    gen_s = {share: [] for share in shares}
+    upd_s = {(m, share): [] for m in ms for share in shares}
+    mem_mb = {(m, share): [] for m in ms for share in shares}
+    tokens = []
+    for repeat in range(repeats):
+        batch = stream.next_batch(args.prompts_per_step)
+        for share in shares:
+            sampler.share_prompt = share
+            torch.manual_seed(args.seed + repeat)
+            start = time.perf_counter()
+            rollouts, scores, _, _ = generate_and_score(sampler, batch, args.n)
+            gen_s[share].append(time.perf_counter() - start)
         tokens.append(sum(len(r.completion_ids) for r in rollouts))
         for m in ms:
             run = dataclasses.replace(args, m=m, rule="none" if m == args.n else args.rule)
             kept_idx = select(scores, run, rng)
             advantages = grpo.group_advantages(scores[kept_idx].view(-1, m)).flatten()
-            start = time.perf_counter()
-            policy_update(model, optimizer, scheduler, [rollouts[i] for i in kept_idx], advantages, run, tokenizer.pad_token_id)
-            upd_s[m].append(time.perf_counter() - start)
-    generation = float(np.mean(gen_s))
+            for share in shares:
+                start = time.perf_counter()
+                _, peak = peak_memory_mb(lambda: policy_update(model, optimizer, scheduler, [rollouts[i] for i in kept_idx],
+                                                               advantages, dataclasses.replace(run, share_prompt=share), tokenizer.pad_token_id))
+                upd_s[m, share].append(time.perf_counter() - start)
+                mem_mb[m, share].append(peak)
     rows = []
+    for m in ms:
+        for share in shares:
+            generation, update = float(np.mean(gen_s[share])), float(np.mean(upd_s[m, share]))
+            rows.append({"n": args.n, "m": m, "share_prompt": share, "generation_s": generation, "update_s": update,
+                         "step_s": generation + update, "update_peak_mb": float(np.max(mem_mb[m, share]))})
     print(f"\n{model_name}, {args.prompts_per_step} prompts x n={args.n}, {args.max_new_tokens} new tokens, "
           f"micro-batch {args.micro_batch}, {device}, mean of {repeats}")
-    print(f"{'method':<22}{'generation s':>14}{'update s':>10}{'step s':>8}{'update/GRPO':>13}{'step/GRPO':>11}")
-    for m in ms:
-        update = float(np.mean(upd_s[m]))
-        rows.append({"n": args.n, "m": m, "generation_s": generation, "update_s": update, "step_s": generation + update})
+    print(f"{'method':<18}{'prompt':>10}{'generation s':>14}{'update s':>10}{'step s':>8}{'update peak MiB':>17}{'step/GRPO':>11}")
+    grpo_step = rows[0]["step_s"]  # GRPO with the prompt per rollout: the reference
     for row in rows:
         name = f"GRPO n={row['n']}" if row["m"] == args.n else f"PODS n={row['n']} m={row['m']}"
-        print(f"{name:<22}{row['generation_s']:>14.1f}{row['update_s']:>10.1f}{row['step_s']:>8.1f}"
-              f"{row['update_s'] / rows[0]['update_s']:>13.2f}{row['step_s'] / rows[0]['step_s']:>11.2f}")
-    per_token = 1000 * rows[0]["step_s"] / float(np.mean(tokens))
-    print(f"completion tokens per step: {np.mean(tokens):.0f}; GRPO step time per completion token: {per_token:.1f} ms")
+        print(f"{name:<18}{'shared' if row['share_prompt'] else 'per row':>10}{row['generation_s']:>14.1f}{row['update_s']:>10.1f}"
+              f"{row['step_s']:>8.1f}{row['update_peak_mb']:>17.0f}{row['step_s'] / grpo_step:>11.2f}")
+    print(f"completion tokens per step: {np.mean(tokens):.0f}; GRPO step time per completion token: "
+          f"{1000 * grpo_step / float(np.mean(tokens)):.1f} ms with the prompt per rollout, "
+          f"{1000 * rows[1]['step_s'] / float(np.mean(tokens)):.1f} ms shared")
     return rows
 
 
