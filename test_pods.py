@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import itertools
 import json
+import logging
 import random
 from pathlib import Path
 
@@ -533,6 +534,59 @@ def test_only_the_kept_rollouts_enter_the_update(tiny_model_dir, tmp_path, monke
     assert max(rollouts_seen) <= 3  # --micro-batch 3
 
 
+def test_default_command_on_a_cpu_takes_the_built_in_task_without_touching_the_network(tiny_model_dir, tmp_path, monkeypatch, caplog):
+    """`python train.py --n 32 --m 16` with no GPU: --dataset auto is the arithmetic task, and no
+    connection is attempted (the tiny model stands in for the embedded one through --model)."""
+    import socket
+
+    def no_network(*args, **kwargs):
+        raise AssertionError("the network was touched")
+
+    monkeypatch.setattr(socket, "create_connection", no_network)
+    monkeypatch.setattr(socket.socket, "connect", no_network)
+    monkeypatch.setattr(train.rewards, "reward", length_reward)
+    out = tmp_path / "run"
+    argv = ["--n", "32", "--m", "16", "--model", str(tiny_model_dir), "--steps", "1", "--max-new-tokens", "4",
+            "--prompts-per-step", "1", "--lora-rank", "4", "--out-dir", str(out)]
+    with caplog.at_level(logging.INFO, logger="pods"):
+        assert train.main(argv) == 0
+    config = json.loads((out / "config.json").read_text())
+    assert config["dataset"] == "arith" and config["device"] == "cpu" and config["share_prompt"] is True
+    assert [p.name for p in train.checkpoints(out)] == ["checkpoint-1"]
+    assert f"on arith with transformers generate (bfloat16 autocast) generation, writing {out}" in caplog.text
+
+
+def test_gsm8k_with_no_hub_fails_at_once_with_what_to_pass(monkeypatch):
+    import socket
+
+    def unreachable(*args, **kwargs):
+        raise OSError("[Errno -2] Name or service not known")
+
+    monkeypatch.delenv("HF_HUB_OFFLINE", raising=False)
+    monkeypatch.delenv("HF_DATASETS_OFFLINE", raising=False)
+    monkeypatch.setattr(socket, "create_connection", unreachable)
+    with pytest.raises(train.data.DataError, match="huggingface.co unreachable.*--dataset arith"):
+        train.data.load_examples("gsm8k", "train")
+
+
+@pytest.mark.parametrize("budget, state, total, position", [(5.0, {"step": 7, "elapsed_s": 90.0}, 5.0, 1.5),
+                                                            (0.0, {"step": 7, "elapsed_s": 90.0}, 100, 7)])
+def test_progress_bar_counts_minutes_under_a_time_budget_and_steps_otherwise(budget, state, total, position):
+    args = train.resolve(train.Args(time_budget=budget), "cpu")
+    bar = train.progress_bar(args, state)
+    try:
+        assert (bar.total, bar.n) == (total, position)
+    finally:
+        bar.close()
+
+
+def test_vllm_flags_are_checked(tmp_path, capsys):
+    assert train.main(["--gpu-memory-utilization", "1.5", "--out-dir", str(tmp_path / "r")]) == 2
+    assert "--gpu-memory-utilization 1.5 must be in (0, 1]" in capsys.readouterr().err
+    assert train.main(["--vllm-kv-cache-gb", "0", "--out-dir", str(tmp_path / "r")]) == 2
+    assert "--vllm-kv-cache-gb 0.0 must be > 0" in capsys.readouterr().err
+
+
 def test_micro_batches_keep_prompt_groups_together_and_split_only_large_ones():
     def kept(*group_sizes):
         return [sampling.Rollout([g], [1], "", False) for g, size in enumerate(group_sizes) for _ in range(size)]
@@ -964,15 +1018,24 @@ sys.exit(train.main(sys.argv[1:]))
 
 @pytest.mark.vllm
 @pytest.mark.slow
-def test_vllm_ctrl_c_during_generation_finishes_the_step_saves_and_resumes(tiny_model_dir, tmp_path):
+def test_vllm_ctrl_c_during_generation_finishes_the_step_saves_and_resumes(embedded_dir, tmp_path):
     """The engine runs in this process, so the Ctrl-C reaches only the trainer: step 2's rollouts are
     generated in full, the step is trained and saved, the run exits 130; --resume continues at step 3."""
     pytest.importorskip("vllm")
     import subprocess
     import sys
 
+    from transformers import AutoTokenizer, LlamaConfig, LlamaForCausalLM
+
+    model_dir = tmp_path / "tiny-head64"  # vLLM's CPU attention needs a head size of 32, 64, 128, ...
+    tokenizer = AutoTokenizer.from_pretrained(embedded_dir)
+    config = LlamaConfig(vocab_size=len(tokenizer), hidden_size=128, intermediate_size=256, num_hidden_layers=2,
+                         num_attention_heads=2, num_key_value_heads=1, max_position_embeddings=1024,
+                         tie_word_embeddings=True, bos_token_id=1, eos_token_id=2, pad_token_id=2)
+    LlamaForCausalLM(config).save_pretrained(model_dir)
+    tokenizer.save_pretrained(model_dir)
     out = tmp_path / "run"
-    argv = tiny_args(tiny_model_dir, out, "--backend", "vllm", "--steps", "3", "--max-prompt-tokens", "200")
+    argv = tiny_args(model_dir, out, "--backend", "vllm", "--steps", "3", "--max-prompt-tokens", "200")
     run = subprocess.run([sys.executable, "-c", VLLM_CTRL_C_DRIVER, *argv], cwd=Path(__file__).parent, capture_output=True, text=True, timeout=900)
     assert run.returncode == 130, run.stderr[-2000:]
     assert [r["step"] for r in read_metrics(out)] == [1, 2]
@@ -1049,7 +1112,7 @@ def test_vllm_start_up_memory_error_exits_2_with_one_line(tiny_model_dir, tmp_pa
     monkeypatch.setenv("VLLM_ENABLE_V1_MULTIPROCESSING", "1")
     assert train.main(tiny_args(tiny_model_dir, tmp_path / "run", "--backend", "vllm", "--steps", "1")) == 2
     err = capsys.readouterr().err.strip()
-    assert err.startswith("error: vLLM could not start: --gpu-memory-utilization 0.3 leaves no room") and "\n" not in err
+    assert err.startswith("error: vLLM could not start: --gpu-memory-utilization 0.3 leaves no room") and "\n" not in err, err
     assert os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] == "0"  # the engine is asked to run in this process
 
 

@@ -628,7 +628,9 @@ def train_loop(args, model, tokenizer, optimizer, scheduler, sampler, stream, st
 
 def peak_memory_mb(fn):
     """(fn's result, the peak memory it added in MiB): CUDA's allocator peak on a GPU; on a CPU the
-    process's resident memory, sampled every 5 ms in a thread, above its level at the start."""
+    process's resident memory, sampled every 5 ms in a thread, above its level at the start (memory
+    that earlier work freed is first handed back with malloc_trim, so it is not reused unseen)."""
+    import ctypes
     import threading
 
     if torch.cuda.is_available():
@@ -643,6 +645,7 @@ def peak_memory_mb(fn):
         with open("/proc/self/statm") as f:
             return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
 
+    ctypes.CDLL("libc.so.6").malloc_trim(0)
     before, peak, done = rss(), [0], threading.Event()
 
     def watch():
@@ -726,6 +729,9 @@ def main(argv: list[str] | None = None) -> int:
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(message)s", datefmt="%H:%M:%S")
     for noisy in ("httpx", "transformers", "huggingface_hub"):
         logging.getLogger(noisy).setLevel(logging.WARNING)
+    from transformers.utils import logging as transformers_logging
+
+    transformers_logging.disable_progress_bar()  # "Loading weights" at every start
     args = parse_args(argv)
     try:
         if args.benchmark:
