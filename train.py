@@ -15,6 +15,8 @@ Usage:
     python train.py --rule none --n 16 --dataset arith         # vanilla GRPO on all n rollouts
     python train.py --resume --out-dir runs/pods               # continue from the last checkpoint
     python train.py --benchmark --dataset arith                # time one step's phases, GRPO vs PODS
+    torchrun --standalone --nproc_per_node 8 train.py -- --n 128 --m 32 --prompts-per-step 8
+                                                               # 8 GPUs, data-parallel (distributed.py)
 
 Fields left at None in `Args` take the GPU profile (the authors' released configuration) on a
 GPU and the CPU profile (sized for the embedded model) otherwise; config.json records the values used.
@@ -40,6 +42,7 @@ import numpy as np
 import torch
 
 import data
+import distributed
 import grpo
 import pods
 import rewards
@@ -63,7 +66,7 @@ class Args:
     n: int = arg(32, "rollouts generated per prompt")
     m: int = arg(16, "rollouts kept per prompt for the update (PODS); ignored with --rule none")
     rule: str = arg("max_variance", "down-sampling rule: max_variance | max_reward | random | none (vanilla GRPO on all n)")
-    prompts_per_step: int | None = arg(None, "prompts per step [GPU 1 (the authors' single-GPU runs), CPU 4]")
+    prompts_per_step: int | None = arg(None, "prompts per step, over all processes under torchrun [GPU 1 (the authors' single-GPU runs), CPU 4]")
     max_prompt_tokens: int = arg(512, "prompts longer than this are skipped")
     max_new_tokens: int | None = arg(None, "completion length limit [GPU 512, CPU 32]")
     temperature: float = arg(0.9, "sampling temperature (also divides the logits in the update)")
@@ -120,8 +123,9 @@ def parse_args(argv: list[str] | None = None) -> Args:
     return Args(**vars(parser.parse_args(argv)))
 
 
-def resolve(args: Args, device: str) -> Args:
-    """Fill the None fields from the device's profile and check the combination."""
+def resolve(args: Args, device: str, world_size: int = 1) -> Args:
+    """Fill the None fields from the device's profile and check the combination (and that the
+    prompts of a step divide among `world_size` processes)."""
     filled = {k: v for k, v in PROFILES["gpu" if device == "cuda" else "cpu"].items() if getattr(args, k) is None}
     if args.dataset == "auto":  # the paper's task on a GPU; offline on a CPU, the task the embedded model can learn
         filled["dataset"] = data.GSM8K if device == "cuda" else data.ARITH
@@ -147,6 +151,9 @@ def resolve(args: Args, device: str) -> Args:
     for name in ("prompts_per_step", "max_new_tokens", "micro_batch", "steps", "lora_rank", "gen_batch"):
         if getattr(args, name) < 1:
             raise UsageError(f"--{name.replace('_', '-')} {getattr(args, name)} must be >= 1")
+    if args.prompts_per_step % world_size:
+        raise UsageError(f"--prompts-per-step {args.prompts_per_step} does not divide among {world_size} processes: "
+                         f"it counts the prompts of a step over all of them; pass a multiple of {world_size}")
     sampling.check_vllm_memory_flags(args.gpu_memory_utilization, args.vllm_kv_cache_gb)
     return args
 
@@ -196,13 +203,16 @@ def load_trainable_policy(args: Args, model_name: str, device: str):
     return model, tokenizer, model_name
 
 
-def make_sampler(args: Args, model, tokenizer, model_name: str, device: str):
+def make_sampler(args: Args, model, tokenizer, model_name: str, device: str, world: distributed.World = distributed.World()):
+    """The generation backend. Under torchrun every rank gets its own vLLM engine on its own GPU,
+    started the way TRL's colocate mode does (external_launcher), with its own seed."""
     if sampling.uses_vllm(args.backend, device):
         return sampling.VLLMSampler(
             sampling.resolve_model_path(model_name), tokenizer, args.max_new_tokens, args.temperature, args.lora_rank,
-            max_model_len=args.max_prompt_tokens + args.max_new_tokens, max_num_seqs=args.prompts_per_step * args.n,
+            max_model_len=args.max_prompt_tokens + args.max_new_tokens, max_num_seqs=args.prompts_per_step // world.size * args.n,
             gpu_memory_utilization=args.gpu_memory_utilization, kv_cache_gb=args.vllm_kv_cache_gb,
-            enforce_eager=args.vllm_enforce_eager, sleep_during_update=args.vllm_sleep, dtype="bfloat16", seed=args.seed,
+            enforce_eager=args.vllm_enforce_eager, sleep_during_update=args.vllm_sleep, dtype="bfloat16",
+            seed=args.seed + world.rank, external_launcher=world.launched,
         )
     return sampling.HFSampler(model, tokenizer, args.max_new_tokens, args.temperature, args.gen_batch,
                               autocast_bf16=args.bf16_autocast, share_prompt=args.share_prompt)
@@ -316,10 +326,11 @@ def shared_prompt_logprobs(model, rollouts: list[sampling.Rollout], temperature:
     causal = torch.ones(L, L, dtype=torch.bool).tril()
     attend = ((key == 0) | (key == query)) & (key >= 0) & causal | torch.eye(L, dtype=torch.bool)  # padding sees itself
     attention = attend[:, None].to(device)
-    if model.config._attn_implementation == "eager":  # eager attention adds the mask to its scores
+    attention_kind = distributed.unwrap(model).config._attn_implementation
+    if attention_kind == "eager":  # eager attention adds the mask to its scores
         attention = torch.zeros(attention.shape, device=device).masked_fill(~attention, torch.finfo(torch.float32).min)
-    elif model.config._attn_implementation != "sdpa":
-        raise sampling.SetupError(f"--share-prompt needs sdpa or eager attention, not {model.config._attn_implementation}; pass --no-share-prompt")
+    elif attention_kind != "sdpa":
+        raise sampling.SetupError(f"--share-prompt needs sdpa or eager attention, not {attention_kind}; pass --no-share-prompt")
     logits = model(input_ids=ids.to(device), attention_mask=attention, position_ids=position.to(device),
                    logits_to_keep=L - P + 1, use_cache=False).logits
     logits = logits.float() / temperature  # column k holds the logits at packed column P - 1 + k
@@ -354,25 +365,31 @@ def policy_update(model, optimizer, scheduler, kept: list[sampling.Rollout], adv
     One update per batch: pi_old = pi_theta (detached), so no extra forward pass is needed.
     With beta > 0 the reference policy is the base model (the LoRA adapter switched off), one
     extra forward pass without gradients per micro-batch, again on the kept rollouts only.
+    Under torchrun `model` is wrapped in DDP, which averages the gradients across ranks in the
+    last micro-batch's backward (distributed.py); every rank holds as many kept rollouts, so the
+    average is this same mean over all ranks' rollouts.
     """
     model.train()
     device = next(model.parameters()).device
     optimizer.zero_grad(set_to_none=True)
     totals = {"loss": 0.0, "clip_frac": 0.0, "ratio_mean": 0.0, "kl": 0.0}
     logprobs_of = shared_prompt_logprobs if args.share_prompt else completion_logprobs
-    for indices in micro_batches(kept, args.micro_batch):
+    batches = micro_batches(kept, args.micro_batch)
+    for step, indices in enumerate(batches):
         batch = [kept[i] for i in indices]
         ref_logprobs = None
-        with torch.autocast(device.type, dtype=torch.bfloat16, enabled=args.bf16_autocast):
-            if args.beta > 0:
-                with torch.no_grad(), model.disable_adapter():
-                    ref_logprobs, _ = logprobs_of(model, batch, args.temperature, pad_id)
-            logprobs, mask = logprobs_of(model, batch, args.temperature, pad_id)
-        adv = advantages[indices].to(logprobs.device)
-        loss, stats = grpo.grpo_loss(logprobs, logprobs.detach(), adv, mask, args.clip_eps, args.clip_eps_high,
-                                     ref_logprobs=ref_logprobs, beta=args.beta)
-        weight = len(batch) / len(kept)
-        (loss * weight).backward()
+        with distributed.gradient_sync(model, sync=step == len(batches) - 1):
+            with torch.autocast(device.type, dtype=torch.bfloat16, enabled=args.bf16_autocast):
+                if args.beta > 0:
+                    policy = distributed.unwrap(model)
+                    with torch.no_grad(), policy.disable_adapter():
+                        ref_logprobs, _ = logprobs_of(policy, batch, args.temperature, pad_id)
+                logprobs, mask = logprobs_of(model, batch, args.temperature, pad_id)
+            adv = advantages[indices].to(logprobs.device)
+            loss, stats = grpo.grpo_loss(logprobs, logprobs.detach(), adv, mask, args.clip_eps, args.clip_eps_high,
+                                         ref_logprobs=ref_logprobs, beta=args.beta)
+            weight = len(batch) / len(kept)
+            (loss * weight).backward()
         totals["loss"] += loss.item() * weight
         for k in ("clip_frac", "ratio_mean", "kl"):
             totals[k] += stats[k] * weight
@@ -392,34 +409,48 @@ def checkpoints(out_dir: Path) -> list[Path]:
     return sorted(found, key=lambda p: int(p.name.split("-")[-1]))
 
 
-def save_checkpoint(out_dir: Path, model, optimizer, scheduler, state: dict, rng: np.random.Generator) -> Path:
+def random_state(rng: np.random.Generator) -> dict:
+    """This process's random generators: torch (sampling on the hf backend), CUDA, numpy (the random rule)."""
+    return {"torch": torch.get_rng_state(), "numpy": rng.bit_generator.state,
+            "cuda": torch.cuda.get_rng_state() if torch.cuda.is_available() else None}
+
+
+def save_checkpoint(out_dir: Path, model, optimizer, scheduler, state: dict, rng: np.random.Generator,
+                    world: distributed.World = distributed.World()) -> Path:
     """checkpoint-STEP/: PEFT adapter files, trainer_state.json (step, elapsed_s, data position)
-    and training_state.pt (optimizer, scheduler, random states). Written aside, then renamed."""
+    and training_state.pt (optimizer, scheduler, every rank's random state). Written aside, then
+    renamed. Under torchrun every rank calls it; rank 0 writes (the adapters and optimizers are
+    identical across ranks), the others wait until the checkpoint is complete."""
     path = out_dir / f"checkpoint-{state['step']}"
-    tmp = out_dir / f".tmp-{path.name}"
-    shutil.rmtree(tmp, ignore_errors=True)
-    model.save_pretrained(tmp)
-    torch.save({"optimizer": optimizer.state_dict(), "scheduler": scheduler.state_dict(),
-                "torch_rng": torch.get_rng_state(), "numpy_rng": rng.bit_generator.state,
-                "cuda_rng": torch.cuda.get_rng_state_all() if torch.cuda.is_available() else None}, tmp / "training_state.pt")
-    (tmp / "trainer_state.json").write_text(json.dumps(state, indent=2))
-    shutil.rmtree(path, ignore_errors=True)
-    tmp.rename(path)
+    random_states = distributed.gather(random_state(rng), world)
+    if world.is_main:
+        tmp = out_dir / f".tmp-{path.name}"
+        shutil.rmtree(tmp, ignore_errors=True)
+        distributed.unwrap(model).save_pretrained(tmp)
+        torch.save({"optimizer": optimizer.state_dict(), "scheduler": scheduler.state_dict(), "random_states": random_states},
+                   tmp / "training_state.pt")
+        (tmp / "trainer_state.json").write_text(json.dumps(state, indent=2))
+        shutil.rmtree(path, ignore_errors=True)
+        tmp.rename(path)
+    distributed.barrier(world)
     return path
 
 
-def load_checkpoint(path: Path, model, optimizer, scheduler, rng: np.random.Generator) -> dict:
+def load_checkpoint(path: Path, model, optimizer, scheduler, rng: np.random.Generator,
+                    world: distributed.World = distributed.World()) -> dict:
+    """Restore a checkpoint into this process; under torchrun, each rank takes its own random state."""
     from peft import set_peft_model_state_dict
     from safetensors.torch import load_file
 
-    set_peft_model_state_dict(model, load_file(path / "adapter_model.safetensors"))
+    set_peft_model_state_dict(distributed.unwrap(model), load_file(path / "adapter_model.safetensors"))
     saved = torch.load(path / "training_state.pt", weights_only=False)
     optimizer.load_state_dict(saved["optimizer"])
     scheduler.load_state_dict(saved["scheduler"])
-    torch.set_rng_state(saved["torch_rng"])
-    if saved.get("cuda_rng") is not None and torch.cuda.is_available():
-        torch.cuda.set_rng_state_all(saved["cuda_rng"])
-    rng.bit_generator.state = saved["numpy_rng"]
+    mine = saved["random_states"][world.rank]
+    torch.set_rng_state(mine["torch"])
+    if mine["cuda"] is not None and torch.cuda.is_available():
+        torch.cuda.set_rng_state(mine["cuda"])
+    rng.bit_generator.state = mine["numpy"]
     return json.loads((path / "trainer_state.json").read_text())
 
 
@@ -434,6 +465,18 @@ def generate_and_score(sampler, batch: list[tuple[list[int], str]], n: int):
     correct = torch.tensor([rewards.correctness_reward(r.text, a) for r, a in zip(rollouts, answers)])
     formatted = torch.tensor([float(rewards.is_well_formatted(r.text)) for r in rollouts])
     return rollouts, scores, correct, formatted
+
+
+def generate_unless_stopped(sampler, batch: list[tuple[list[int], str]], n: int, stop: dict):
+    """generate_and_score, or None when a Ctrl-C stopped the generation itself (vLLM's engine may
+    get the signal too and abort its requests): the policy is then still that of the last finished
+    step, which is what gets saved."""
+    try:
+        return generate_and_score(sampler, batch, n)
+    except Exception:
+        if not stop["requested"]:
+            raise
+        return None
 
 
 def step_metrics(scores, correct, formatted, rollouts, kept_idx, n, m) -> dict:
@@ -464,8 +507,11 @@ def select(scores: torch.Tensor, args: Args, rng: np.random.Generator) -> list[i
 RESUME_MUST_MATCH = ("model", "dataset", "n", "m", "rule", "lora_rank", "lora_alpha", "prompts_per_step", "seed")
 
 
-def check_resume_config(out_dir: Path, args: Args) -> None:
-    """--resume continues the same experiment: settings that shape the adapter or the data must not change."""
+def check_resume_config(out_dir: Path, args: Args, world_size: int = 1) -> None:
+    """--resume continues the same experiment: settings that shape the adapter or the data must not
+    change, nor the number of processes. (The prompt order would survive another number: every rank
+    draws the same global stream and takes its share. But each rank's random state is saved for its
+    rank, and a rank that did not exist has none, so the run would not continue as it started.)"""
     path = out_dir / "config.json"
     if not path.exists():
         return
@@ -474,6 +520,9 @@ def check_resume_config(out_dir: Path, args: Args) -> None:
                if k in saved and saved[k] != getattr(args, k)]
     if changed:
         raise UsageError(f"--resume with other settings than {path} ({', '.join(changed)}); pass the run's own values or choose another --out-dir")
+    if saved.get("world_size", 1) != world_size:
+        raise UsageError(f"--resume with {world_size} process(es), but {out_dir} was trained with {saved.get('world_size', 1)}: "
+                         f"each rank's random state is saved per rank; launch {saved.get('world_size', 1)} (torchrun --nproc_per_node) to continue it")
 
 
 def parse_row(line: str) -> dict | None:
@@ -484,9 +533,10 @@ def parse_row(line: str) -> dict | None:
         return None
 
 
-def train(args: Args) -> Path:
+def train(args: Args, world: distributed.World = distributed.World()) -> Path:
+    """A training run in this process; under torchrun, this rank's part of it (`world`)."""
     device = "cuda" if torch.cuda.is_available() else "cpu"
-    args = resolve(args, device)
+    args = resolve(args, device, world.size)
     out_dir = Path(args.out_dir)
     found = checkpoints(out_dir) if out_dir.exists() else []
     if not args.resume and (found or (out_dir / "metrics.jsonl").exists()):
@@ -494,16 +544,18 @@ def train(args: Args) -> Path:
     if args.resume and not found:
         raise UsageError(f"--resume: no checkpoint-STEP directory in {out_dir}")
     if args.resume:
-        check_resume_config(out_dir, args)
-    torch.manual_seed(args.seed)  # the LoRA initialisation
+        check_resume_config(out_dir, args, world.size)
+    distributed.start(world)  # torchrun: meet the other ranks (every rank has passed the checks above)
+    distributed.barrier(world)  # ... before rank 0 writes anything into out_dir
+    torch.manual_seed(args.seed)  # the LoRA initialisation, the same on every rank
 
     examples = data.load_examples(args.dataset, "train", seed=args.seed)
     model, tokenizer, model_name = load_trainable_policy(args, pick_model(args, device), device)
     prompts = tokenize_examples(examples, tokenizer, args.max_prompt_tokens)
-    sampler = make_sampler(args, model, tokenizer, model_name, device)
-    log.info("%s", start_line(args, model_name, sampler, out_dir, device))
-    torch.manual_seed(args.seed)  # again: an in-process vLLM engine seeds this process's generators when it starts
-    rng = np.random.default_rng(args.seed)
+    sampler = make_sampler(args, model, tokenizer, model_name, device, world)
+    log.info("%s", start_line(args, model_name, sampler, out_dir, device, world))
+    torch.manual_seed(args.seed + world.rank)  # again (an in-process vLLM engine seeds this process's generators
+    rng = np.random.default_rng(args.seed + world.rank)  # when it starts); each rank samples its own rollouts
     optimizer = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=args.lr,
                                   betas=(args.adam_beta1, args.adam_beta2), weight_decay=args.weight_decay)
     warmup = max(1, math.ceil(args.warmup_ratio * args.steps))
@@ -513,72 +565,89 @@ def train(args: Args) -> Path:
     out_dir.mkdir(parents=True, exist_ok=True)
     metrics_path = out_dir / "metrics.jsonl"
     if args.resume:
-        state = load_checkpoint(found[-1], model, optimizer, scheduler, rng)
-        rows = [parse_row(line) for line in metrics_path.read_text().splitlines()] if metrics_path.exists() else []
-        metrics_path.write_text("".join(json.dumps(r) + "\n" for r in rows if r and r["step"] <= state["step"]))
+        state = load_checkpoint(found[-1], model, optimizer, scheduler, rng, world)
+        if world.is_main:
+            rows = [parse_row(line) for line in metrics_path.read_text().splitlines()] if metrics_path.exists() else []
+            metrics_path.write_text("".join(json.dumps(r) + "\n" for r in rows if r and r["step"] <= state["step"]))
         log.info("resumed from %s: step %d, %.0f s of training", found[-1], state["step"], state["elapsed_s"])
         sampler.update_weights(model)
-    config = dataclasses.asdict(args) | {"model_resolved": model_name, "device": device, "torch": torch.__version__}
-    (out_dir / "config.json").write_text(json.dumps(config, indent=2))
+    if world.is_main:
+        config = dataclasses.asdict(args) | {"model_resolved": model_name, "device": device, "torch": torch.__version__,
+                                             "world_size": world.size}
+        (out_dir / "config.json").write_text(json.dumps(config, indent=2))
 
     stream = PromptStream(prompts, args.seed, state["data_position"])
-    train_loop(args, model, tokenizer, optimizer, scheduler, sampler, stream, state, rng, out_dir, metrics_path)
+    model = distributed.wrap(model, world)  # torchrun: DDP; the sampler keeps the PEFT model it was given
+    train_loop(args, model, tokenizer, optimizer, scheduler, sampler, stream, state, rng, out_dir, metrics_path, world)
     return out_dir
 
 
-def start_line(args: Args, model_name: str, sampler, out_dir: Path, device: str) -> str:
-    """What a run is, in one log line: model, task, generation backend, where it is written."""
+def start_line(args: Args, model_name: str, sampler, out_dir: Path, device: str, world: distributed.World = distributed.World()) -> str:
+    """What a run is, in one log line: model, task, generation backend, processes, where it is written."""
     backend = "vLLM" if isinstance(sampler, sampling.VLLMSampler) else "transformers generate" + (" (bfloat16 autocast)" if args.bf16_autocast else "")
     model = "the embedded SmolLM2-135M-Instruct" if model_name == sampling.EMBEDDED else model_name
     auto = ("; no GPU, so the embedded model and the built-in task (--model / --dataset choose others)"
             if device == "cpu" and args.model == "auto" else "")
-    return f"training {model} on {args.dataset} with {backend} generation, writing {out_dir}{auto}"
+    ranks = f" on {world.size} {'GPUs' if device == 'cuda' else 'processes'} (DDP)" if world.launched else ""
+    return f"training {model} on {args.dataset} with {backend} generation{ranks}, writing {out_dir}{auto}"
 
 
-def progress_bar(args: Args, state: dict):
-    """A tqdm bar over training minutes under --time-budget (the limit that ends such a run), else over steps."""
+def progress_bar(args: Args, state: dict, world: distributed.World = distributed.World()):
+    """A tqdm bar over training minutes under --time-budget (the limit that ends such a run), else
+    over steps; rank 0's only."""
     from tqdm import tqdm
 
     desc = f"{args.rule} n={args.n} m={args.m}"
     if args.time_budget:
         return tqdm(total=args.time_budget, initial=bar_position(args, state), desc=desc, dynamic_ncols=True,
-                    bar_format="{l_bar}{bar}| {n:.1f}/{total:g} min [{elapsed}{postfix}]")
-    return tqdm(total=args.steps, initial=bar_position(args, state), desc=desc, unit="step", dynamic_ncols=True)
+                    bar_format="{l_bar}{bar}| {n:.1f}/{total:g} min [{elapsed}{postfix}]", disable=not world.is_main)
+    return tqdm(total=args.steps, initial=bar_position(args, state), desc=desc, unit="step", dynamic_ncols=True,
+                disable=not world.is_main)
 
 
 def bar_position(args: Args, state: dict) -> float:
     return round(state["elapsed_s"] / 60, 3) if args.time_budget else state["step"]
 
 
-def train_loop(args, model, tokenizer, optimizer, scheduler, sampler, stream, state, rng, out_dir, metrics_path):
-    stop = {"requested": False}
+def ctrl_c_handler(stop: dict, world: distributed.World):
+    """SIGINT handler: the first Ctrl-C asks the loop to stop after the current step and save.
+    Alone, a second one quits without saving. Under torchrun every rank gets each Ctrl-C twice (from
+    the terminal and forwarded by torchrun), so repeats are ignored there; torchrun itself kills the
+    ranks if they have not exited within its --shutdown-timeout (30 s by default)."""
 
     def on_sigint(signum, frame):
-        if stop["requested"]:
+        if stop["requested"] and not world.launched:
             raise KeyboardInterrupt
+        if not stop["requested"]:
+            log.info("Ctrl-C: finishing this step, then saving a checkpoint (%s)",
+                     "torchrun stops waiting after its --shutdown-timeout" if world.launched else "Ctrl-C again to quit without saving")
         stop["requested"] = True
-        log.info("Ctrl-C: finishing this step, then saving a checkpoint (Ctrl-C again to quit without saving)")
 
-    previous_handler = signal.signal(signal.SIGINT, on_sigint)
+    return on_sigint
+
+
+def train_loop(args, model, tokenizer, optimizer, scheduler, sampler, stream, state, rng, out_dir, metrics_path,
+               world: distributed.World = distributed.World()):
+    """Steps until --steps, the time budget or a Ctrl-C, then a final checkpoint. Under torchrun each
+    rank runs this loop on its share of the prompts; `distributed.any_rank` and `reduce_row` keep the
+    ranks agreeing on when to stop and on what to report, and only rank 0 writes."""
+    stop = {"requested": False}
+    previous_handler = signal.signal(signal.SIGINT, ctrl_c_handler(stop, world))
     last_save_s, last_saved_step = state["elapsed_s"], state["step"]
-    bar = progress_bar(args, state)
+    bar = progress_bar(args, state, world)
     try:
-        with open(metrics_path, "a") as metrics_file:
-            while state["step"] < args.steps and not stop["requested"]:
+        with open(metrics_path if world.is_main else os.devnull, "a") as metrics_file:
+            while state["step"] < args.steps and not distributed.any_rank(stop["requested"], world):
                 if args.time_budget and state["elapsed_s"] >= args.time_budget * 60:
                     log.info("time budget of %.1f min reached", args.time_budget)
                     break
                 start = time.perf_counter()
-                batch = stream.next_batch(args.prompts_per_step)
-                try:
-                    rollouts, scores, correct, formatted = generate_and_score(sampler, batch, args.n)
-                except Exception:
-                    if not stop["requested"]:
-                        raise
-                    # vLLM's engine process gets the Ctrl-C too and may stop mid-generation: the
-                    # policy is still that of the last finished step, which is what gets saved
+                batch = distributed.shard(stream.next_batch(args.prompts_per_step), world)
+                scored = generate_unless_stopped(sampler, batch, args.n, stop)
+                if distributed.any_rank(scored is None, world):
                     log.info("generation stopped by Ctrl-C; saving the last finished step %d", state["step"])
                     break
+                rollouts, scores, correct, formatted = scored
                 generation_s = time.perf_counter() - start
 
                 kept_idx = select(scores, args, rng)
@@ -587,17 +656,18 @@ def train_loop(args, model, tokenizer, optimizer, scheduler, sampler, stream, st
                 update_start = time.perf_counter()
                 sampler.release_memory()  # --vllm-sleep: vLLM's KV cache is freed for the update
                 update = policy_update(model, optimizer, scheduler, kept, advantages, args, tokenizer.pad_token_id)
-                sampler.update_weights(model)  # vLLM: the new adapter; transformers: nothing to do
+                sampler.update_weights(distributed.unwrap(model))  # vLLM: the new adapter; transformers: nothing to do
                 sampler.wake_up()
                 update_s = time.perf_counter() - update_start
 
+                row = {"generation_s": generation_s, "update_s": update_s, "step_s": time.perf_counter() - start,
+                       **step_metrics(scores, correct, formatted, rollouts, kept_idx, args.n, args.m), **update}
+                row = distributed.reduce_row(row, world, slowest=("generation_s", "update_s", "step_s"))
                 state["step"] += 1
-                state["elapsed_s"] += time.perf_counter() - start
+                state["elapsed_s"] += row.pop("step_s")  # the slowest rank's: all ranks agree on the time budget
                 state["data_position"] = stream.position
-                row = {"step": state["step"], "elapsed_s": round(state["elapsed_s"], 3),
-                       "generation_s": round(generation_s, 3), "update_s": round(update_s, 3),
-                       **step_metrics(scores, correct, formatted, rollouts, kept_idx, args.n, args.m),
-                       **update, "n": args.n, "m": args.m}
+                row = {"step": state["step"], "elapsed_s": round(state["elapsed_s"], 3), **row, "n": args.n, "m": args.m}
+                row["generation_s"], row["update_s"] = round(row["generation_s"], 3), round(row["update_s"], 3)
                 metrics_file.write(json.dumps(row) + "\n")
                 metrics_file.flush()
                 bar.update(bar_position(args, state) - bar.n)
@@ -606,13 +676,13 @@ def train_loop(args, model, tokenizer, optimizer, scheduler, sampler, stream, st
                 due_steps = args.save_every_steps and state["step"] % args.save_every_steps == 0
                 due_time = args.save_every_minutes and state["elapsed_s"] - last_save_s >= args.save_every_minutes * 60
                 if due_steps or due_time:
-                    save_checkpoint(out_dir, model, optimizer, scheduler, state, rng)
+                    save_checkpoint(out_dir, model, optimizer, scheduler, state, rng, world)
                     last_save_s, last_saved_step = state["elapsed_s"], state["step"]
     finally:
         signal.signal(signal.SIGINT, previous_handler)
         bar.close()
     if state["step"] > last_saved_step or not checkpoints(out_dir):
-        path = save_checkpoint(out_dir, model, optimizer, scheduler, state, rng)
+        path = save_checkpoint(out_dir, model, optimizer, scheduler, state, rng, world)
         log.info("saved %s", path)
     if stop["requested"]:
         raise KeyboardInterrupt
@@ -725,18 +795,27 @@ def main(argv: list[str] | None = None) -> int:
 
     transformers_logging.disable_progress_bar()  # "Loading weights" at every start
     args = parse_args(argv)
+    world = distributed.world_from_env()
+    if not world.is_main:  # torchrun: rank 0 speaks for all
+        log.setLevel(logging.WARNING)
     try:
+        if args.benchmark and world.launched:
+            raise UsageError("--benchmark times one process: run it with python, not torchrun")
         if args.benchmark:
             benchmark(args)
         else:
-            out_dir = train(args)
+            out_dir = train(args, world)
             log.info("done: metrics in %s, checkpoints %s", out_dir / "metrics.jsonl", ", ".join(p.name for p in checkpoints(out_dir)[-3:]))
     except (UsageError, data.DataError, sampling.SetupError) as err:
-        print(f"error: {err}", file=sys.stderr)
+        if world.is_main:
+            print(f"error: {err}", file=sys.stderr)
         return 2
     except KeyboardInterrupt:
-        print("interrupted: last checkpoint and metrics are in " + args.out_dir, file=sys.stderr)
+        if world.is_main:
+            print("interrupted: last checkpoint and metrics are in " + args.out_dir, file=sys.stderr)
         return 130
+    finally:
+        distributed.finish(world)
     return 0
 
 

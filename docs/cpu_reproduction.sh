@@ -1,46 +1,83 @@
 #!/usr/bin/env bash
-# CPU-scale reproduction of the paper's comparison (README, "Measured on a CPU").
-# Embedded SmolLM2-135M-Instruct on one-digit sums (arith:1, where it starts near 20%), every run under the
-# same wall-clock training budget, one run at a time; then every checkpoint evaluated on the held-out split;
-# then two figures with their time-to-baseline-peak tables.
-#   bash docs/cpu_reproduction.sh       # BUDGET=4 minutes of training per run, 8 runs
-# Re-running it skips finished runs and already evaluated checkpoints.
+# CPU-scale reproduction of the paper's comparisons (README, "Measured on a CPU").
+#
+# The embedded SmolLM2-135M-Instruct on arith:2 (one-digit sums and differences in a one-sentence
+# story; it starts at ~0.11 test accuracy and GRPO does not saturate within the budget), every run
+# with the same budget of training minutes, one run at a time, methods interleaved within each seed:
+#   1. equal rollouts generated: GRPO on all n=8, PODS max-variance n=8 m=4 and m=2   (seeds 0, 1, 2)
+#   2. rules at n=8 m=2: max-variance (from 1), max-reward, random                    (seeds 0, 1)
+#   3. n at m=4: GRPO n=4, PODS n=8 m=4 (from 1), PODS n=16 m=4                        (seeds 0, 1)
+# Then every checkpoint (one a minute) is evaluated on 256 held-out problems (binomial standard error
+# <= 0.031), each run's config, metrics and evaluation are copied to docs/cpu/RUN/ (kept in the
+# repository, a few KB each), and the figures and tables are drawn from those copies.
+#
+#   bash docs/cpu_reproduction.sh                  # everything; BUDGET=4 minutes of training per run
+#   STAGES=report bash docs/cpu_reproduction.sh    # only redraw figures and tables from docs/cpu/
+#
+# Resumable: a finished run (its budget reached) is not redone, an interrupted one continues from its
+# last checkpoint, and evaluated checkpoints are skipped.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 BUDGET=${BUDGET:-4}
 OUT=${OUT:-runs/cpu}
-LR=${LR:-3e-4}
-COMMON="--dataset arith:1 --prompts-per-step 4 --max-new-tokens 32 --lr $LR --steps 1000 --time-budget $BUDGET
-        --save-every-minutes 0.5 --save-every-steps 0 --warmup-ratio 0"
-EVAL="--dataset arith:1 --limit 64 --repeats 2"
+KEEP=docs/cpu
+STAGES=${STAGES:-"train eval report"}
+TASK=arith:2
+COMMON="--dataset $TASK --prompts-per-step 4 --max-new-tokens 32 --lr 3e-4 --steps 1000 --time-budget $BUDGET
+        --save-every-minutes 1 --save-every-steps 0 --warmup-ratio 0"
+EVAL="--dataset $TASK --limit 256 --repeats 1"
+
+finished() {  # the run's last metrics row has used the whole budget
+  [ -f "$1/metrics.jsonl" ] && python - "$1/metrics.jsonl" "$BUDGET" <<'EOF'
+import json, sys
+rows = [json.loads(line) for line in open(sys.argv[1]) if line.strip()]
+sys.exit(0 if rows and rows[-1]["elapsed_s"] >= float(sys.argv[2]) * 60 else 1)
+EOF
+}
 
 run() {
-  local dir=$1; shift
-  if [ -f "$dir/metrics.jsonl" ] && ls "$dir" | grep -q checkpoint-; then
-    python train.py $COMMON "$@" --out-dir "$dir" --resume  # a finished run stops at once (budget reached)
+  local dir=$OUT/$1; shift
+  if finished "$dir"; then return; fi
+  if ls "$dir" 2>/dev/null | grep -q checkpoint-; then
+    python train.py $COMMON "$@" --out-dir "$dir" --resume
   else
+    rm -rf "$dir"  # a run that died before its first checkpoint starts over
     python train.py $COMMON "$@" --out-dir "$dir"
   fi
 }
 
+RUNS=()
+plan() { RUNS+=("$1"); if [[ " $STAGES " == *" train "* ]]; then run "$@"; fi; }
+
 start=$(date +%s)
-for seed in 0 1; do
-  run "$OUT/grpo-n4-s$seed" --seed $seed --rule none --n 4                    # GRPO on m = 4
-  run "$OUT/pods-n8-m4-s$seed" --seed $seed --rule max_variance --n 8 --m 4   # PODS: generate 8, keep 4
-  run "$OUT/grpo-n8-s$seed" --seed $seed --rule none --n 8                    # GRPO on all n = 8
+for seed in 0 1 2; do
+  plan grpo-n8-s$seed --seed $seed --rule none --n 8                       # 1: GRPO on all 8
+  plan pods-n8-m4-s$seed --seed $seed --rule max_variance --n 8 --m 4      # 1, 3: PODS keeps 4 of 8
+  plan pods-n8-m2-s$seed --seed $seed --rule max_variance --n 8 --m 2      # 1, 2: PODS keeps 2 of 8
+  if [ "$seed" -lt 2 ]; then
+    plan maxreward-n8-m2-s$seed --seed $seed --rule max_reward --n 8 --m 2 # 2: the other rules
+    plan random-n8-m2-s$seed --seed $seed --rule random --n 8 --m 2
+    plan grpo-n4-s$seed --seed $seed --rule none --n 4                     # 3: n = m = 4
+    plan pods-n16-m4-s$seed --seed $seed --rule max_variance --n 16 --m 4  # 3: PODS keeps 4 of 16
+  fi
 done
-run "$OUT/maxreward-n8-m4-s0" --seed 0 --rule max_reward --n 8 --m 4          # ablation: other rules
-run "$OUT/random-n8-m4-s0" --seed 0 --rule random --n 8 --m 4
 trained=$(date +%s)
 
-for dir in "$OUT"/*/; do python eval.py "$dir" $EVAL; done
+if [[ " $STAGES " == *" eval "* ]]; then
+  for name in "${RUNS[@]}"; do
+    python eval.py "$OUT/$name" $EVAL
+    mkdir -p "$KEEP/$name"
+    cp "$OUT/$name"/{config.json,metrics.jsonl,eval-arith-2.json} "$KEEP/$name/"
+  done
+fi
 evaluated=$(date +%s)
 
-# The paper's setting: GRPO on m rollouts against PODS generating n = 2m and keeping m (+ the ablation).
-python eval.py --plot "$OUT"/grpo-n4-s* "$OUT"/pods-n8-m4-s* "$OUT"/maxreward-n8-m4-s0 "$OUT"/random-n8-m4-s0 \
-  --dataset arith:1 --out docs/cpu_grpo_m_vs_pods.png | tee docs/cpu_grpo_m_vs_pods.txt
-# Equal n, the comparison a CPU favours: GRPO on all n against PODS keeping n/2 of the same n.
-python eval.py --plot "$OUT"/grpo-n8-s* "$OUT"/pods-n8-m4-s* --dataset arith:1 --out docs/cpu_equal_n.png \
-  | tee docs/cpu_equal_n.txt
-echo "wall clock: training $(( (trained - start) / 60 )) min, evaluation $(( (evaluated - trained) / 60 )) min" \
-  | tee -a docs/cpu_equal_n.txt
+if [[ " $STAGES " == *" report "* ]]; then
+  plot() { local name=$1; shift; python eval.py --plot "$@" --dataset $TASK --out "docs/cpu_$name.png" | tee "docs/cpu_$name.txt"; }
+  plot equal_rollouts "$KEEP"/grpo-n8-s* "$KEEP"/pods-n8-m4-s* "$KEEP"/pods-n8-m2-s*
+  plot rules "$KEEP"/pods-n8-m2-s[01] "$KEEP"/maxreward-n8-m2-s* "$KEEP"/random-n8-m2-s* --baseline "PODS max_variance n=8 m=2"
+  plot n_ablation "$KEEP"/grpo-n4-s* "$KEEP"/pods-n8-m4-s[01] "$KEEP"/pods-n16-m4-s*
+fi
+if [[ " $STAGES " == *" train "* ]]; then
+  echo "this invocation: training $(( (trained - start) / 60 )) min, evaluation $(( (evaluated - trained) / 60 )) min" | tee -a docs/cpu_time.txt
+fi
