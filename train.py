@@ -307,7 +307,8 @@ def shared_prompt_logprobs(model, rollouts: list[sampling.Rollout], temperature:
     ids = torch.full((len(rows), L), pad_id, dtype=torch.long)
     segment = torch.full((len(rows), L), -1)  # -1 padding, 0 prompt, j = completion j of the row
     position = torch.zeros((len(rows), L), dtype=torch.long)
-    row_of, column_of = torch.zeros((len(rollouts), C), dtype=torch.long), torch.zeros((len(rollouts), C), dtype=torch.long)
+    # padding positions of a completion point at column P - 1 (kept logit 0): valid, and masked out below
+    row_of, column_of = torch.zeros((len(rollouts), C), dtype=torch.long), torch.full((len(rollouts), C), P - 1, dtype=torch.long)
     targets, mask = torch.full((len(rollouts), C), pad_id, dtype=torch.long), torch.zeros((len(rollouts), C), dtype=torch.long)
     for r, row in enumerate(rows):
         prompt = rollouts[row[0]].prompt_ids
