@@ -61,7 +61,9 @@ def start(world: World) -> None:
         return
     if torch.cuda.is_available():
         torch.cuda.set_device(world.local_rank)  # "cuda" now means this rank's GPU
-    dist.init_process_group("nccl" if torch.cuda.is_available() else "gloo")
+        dist.init_process_group("nccl", device_id=torch.device("cuda", world.local_rank))
+    else:
+        dist.init_process_group("gloo")
 
 
 def finish(world: World) -> None:
@@ -127,6 +129,16 @@ def gather(obj, world: World) -> list:
     gathered = [None] * world.size
     dist.all_gather_object(gathered, obj)
     return gathered
+
+
+def from_main(obj, world: World):
+    """Rank 0's obj, on every rank (a decision taken once, e.g. which checkpoint to resume from,
+    that ranks on other nodes might otherwise take differently)."""
+    if not world.launched:
+        return obj
+    holder = [obj]
+    dist.broadcast_object_list(holder, src=0)
+    return holder[0]
 
 
 def barrier(world: World) -> None:

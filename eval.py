@@ -387,6 +387,21 @@ def mean_curve(runs: list[tuple[list[float], list[float]]]) -> tuple[list[float]
     return grid, stacked.mean(axis=0).tolist(), se.tolist()
 
 
+def accuracy_by_minute(groups: dict[str, list[tuple[list[float], list[float]]]]) -> list[str]:
+    """Each setting's accuracy at every whole minute that all its runs reached (each run's curve
+    interpolated there, then the mean and standard error over its seeds), and the peak of the mean curve."""
+    minutes = range(0, int(min(t[-1] for runs in groups.values() for t, _ in runs) // 60) + 1)
+    lines = [f"{'run':<36}{'seeds':>6}" + "".join(f"{f'{k} min':>16}" for k in minutes) + f"{'peak':>8}"]
+    for label, runs in groups.items():
+        cells = []
+        for k in minutes:
+            values = [float(np.interp(60 * k, t, a)) for t, a in runs]
+            se = float(np.std(values, ddof=1) / math.sqrt(len(values))) if len(values) > 1 else 0.0
+            cells.append(f"{np.mean(values):.3f} +- {se:.3f}")
+        lines.append(f"{label:<36}{len(runs):>6}" + "".join(f"{c:>16}" for c in cells) + f"{max(mean_curve(runs)[1]):>8.3f}")
+    return lines
+
+
 def step_costs(run_dirs: list[Path]) -> list[str]:
     """What a step cost in each run (means over its metrics.jsonl): the time side of the comparison."""
     lines = [f"{'run':<28}{'steps':>7}{'generation s':>14}{'update s':>10}{'step s':>8}"]
@@ -443,7 +458,8 @@ def plot(run_dirs: list[Path], out: Path, dataset: str | None, baseline: str | N
             speed = f"{t_base / t:.2f}x" if t > 0 else "at start"
             lines.append(f"{label:<36}{t / 60:>20.1f} min{speed:>10}")
     costs = step_costs(run_dirs)
-    return "\n".join(lines + ([""] + costs if costs else []))
+    return "\n".join(lines + ["", "test accuracy (mean +- standard error over seeds)", *accuracy_by_minute(groups)]
+                     + ([""] + costs if costs else []))
 
 
 # ----------------------------------------------------------------------------- CLI

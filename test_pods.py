@@ -636,6 +636,18 @@ def test_shared_prompt_logprobs_equal_the_unshared_ones(tiny_model_dir, checkpoi
     assert ((shared - unshared).abs() * mask).max().item() <= 1e-5
 
 
+def test_shared_prompt_logprobs_with_completions_shorter_than_the_prompt(tiny_model_dir):
+    """A long prompt whose kept completions are short together (a model that learned to answer in a
+    few tokens): the packed row holds fewer completion tokens than prompt tokens. This once indexed
+    past the kept logits for padded completion positions and crashed a run."""
+    model, tokenizer = lora_policy(tiny_model_dir)
+    prompt = list(range(3, 33))  # 30 tokens
+    rollouts = [sampling.Rollout(prompt, [40, 41, 42], "", False), sampling.Rollout(prompt, [50], "", False)]
+    unshared, mask = train.completion_logprobs(model, rollouts, 0.7, tokenizer.pad_token_id)
+    shared, _ = train.shared_prompt_logprobs(model, rollouts, 0.7, tokenizer.pad_token_id)
+    assert ((shared - unshared).abs() * mask).max().item() <= 1e-5
+
+
 @pytest.mark.parametrize("checkpointing, beta", [(False, 0.0), (True, 0.0), (False, 0.1), (True, 0.1)])
 def test_shared_prompt_update_gives_the_same_lora_gradients(tiny_model_dir, checkpointing, beta):
     """policy_update with --share-prompt and without: the same loss, KL and accumulated LoRA gradients
@@ -784,21 +796,35 @@ def test_embedded_model_trains_one_step_on_arithmetic(tmp_path):
 # ----------------------------------------------------------------------------- several processes (torchrun, DDP)
 
 import subprocess  # noqa: E402
+import time  # noqa: E402
 import sys  # noqa: E402
 
 import distributed  # noqa: E402
 
 
-def torchrun(nproc: int, *train_argv: str) -> subprocess.CompletedProcess:
+def torchrun(nproc: int, *train_argv: str, script: str = "train.py", wait: bool = True):
     """The README's command form: torchrun --standalone --nproc_per_node N train.py -- ARGS."""
     command = [str(Path(sys.executable).with_name("torchrun")), "--standalone", "--nproc_per_node", str(nproc),
-               "train.py", "--", *train_argv]
+               script, "--", *train_argv]
+    if not wait:
+        return subprocess.Popen(command, cwd=Path(__file__).parent, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     return subprocess.run(command, cwd=Path(__file__).parent, capture_output=True, text=True, timeout=300)
 
 
-def test_torchrun_two_processes_train_two_steps_then_resume_at_step_3(tiny_model_dir, tmp_path, capsys):
-    out = tmp_path / "run"
-    done = torchrun(2, *tiny_args(tiny_model_dir, out, "--steps", "2", "--prompts-per-step", "4"))
+def length_reward_script(tmp_path: Path) -> str:
+    """train.py with length_reward, so that a tiny random model's updates move its adapter."""
+    script = tmp_path / "train_with_length_reward.py"
+    script.write_text(f"import sys\nsys.path.insert(0, {str(Path(__file__).parent)!r})\nimport train\n"
+                      "train.rewards.reward = lambda completion, answer: float(len(completion) % 3)\n"
+                      "sys.exit(train.main())\n")
+    return str(script)
+
+
+def test_torchrun_two_processes_train_two_steps_then_resume_exactly_at_step_3(tiny_model_dir, tmp_path, capsys):
+    from safetensors.torch import load_file
+
+    script, out, straight = length_reward_script(tmp_path), tmp_path / "run", tmp_path / "straight"
+    done = torchrun(2, *tiny_args(tiny_model_dir, out, "--steps", "2", "--prompts-per-step", "4"), script=script)
     assert done.returncode == 0, done.stderr[-3000:]
     assert [r["step"] for r in read_metrics(out)] == [1, 2]  # rank 0 alone writes, one row per step
     assert json.loads((out / "config.json").read_text())["world_size"] == 2
@@ -808,17 +834,45 @@ def test_torchrun_two_processes_train_two_steps_then_resume_at_step_3(tiny_model
     assert not torch.equal(saved["random_states"][0]["torch"], saved["random_states"][1]["torch"])
     assert done.stderr.count("generation on 2 processes (DDP)") == 1  # one start line: rank 0 speaks for both
 
-    done = torchrun(2, *tiny_args(tiny_model_dir, out, "--steps", "3", "--prompts-per-step", "4", "--resume"))
+    done = torchrun(2, *tiny_args(tiny_model_dir, out, "--steps", "3", "--prompts-per-step", "4", "--resume"), script=script)
     assert done.returncode == 0, done.stderr[-3000:]
     rows = read_metrics(out)
     assert [r["step"] for r in rows] == [1, 2, 3] and rows[2]["elapsed_s"] > rows[1]["elapsed_s"]
     state = json.loads((out / "checkpoint-3" / "trainer_state.json").read_text())
     assert state["step"] == 3 and state["data_position"] == 12  # 4 prompts per step over both ranks
 
+    # the same 3 steps without a stop: the same rollouts, updates and adapter
+    done = torchrun(2, *tiny_args(tiny_model_dir, straight, "--steps", "3", "--prompts-per-step", "4"), script=script)
+    assert done.returncode == 0, done.stderr[-3000:]
+    for resumed, uninterrupted in zip(rows, read_metrics(straight)):
+        for key in ("reward_mean", "kept_reward_std", "completion_len", "loss", "grad_norm"):
+            assert resumed[key] == pytest.approx(uninterrupted[key], abs=1e-6), key
+    assert rows[2]["grad_norm"] > 0
+    a, b = load_file(out / "checkpoint-3" / "adapter_model.safetensors"), load_file(straight / "checkpoint-3" / "adapter_model.safetensors")
+    assert max((a[k] - b[k]).abs().max().item() for k in a) <= 1e-6
+
     # one process cannot continue a two-process run: the second rank's random state has no owner
     assert train.main(tiny_args(tiny_model_dir, out, "--steps", "4", "--prompts-per-step", "4", "--resume")) == 2
     err = capsys.readouterr().err.strip()
     assert "was trained with 2" in err and "--nproc_per_node" in err and "\n" not in err
+
+
+def test_ctrl_c_on_torchrun_stops_both_ranks_after_the_step_with_one_checkpoint(tiny_model_dir, tmp_path):
+    out = tmp_path / "run"
+    launcher = torchrun(2, *tiny_args(tiny_model_dir, out, "--steps", "100000", "--prompts-per-step", "4"), wait=False)
+    try:
+        deadline = time.time() + 120
+        while not ((out / "metrics.jsonl").exists() and (out / "metrics.jsonl").read_text().count("\n") >= 2):
+            assert time.time() < deadline and launcher.poll() is None, "no training steps"
+            time.sleep(0.2)
+        launcher.send_signal(signal.SIGINT)  # what Ctrl-C in torchrun's terminal sends it
+        _, err = launcher.communicate(timeout=60)
+    finally:
+        launcher.kill()
+    steps = [r["step"] for r in read_metrics(out)]
+    assert steps == list(range(1, len(steps) + 1))
+    assert [p.name for p in train.checkpoints(out)] == [f"checkpoint-{steps[-1]}"]  # the last finished step, saved once
+    assert err.count("interrupted: last checkpoint and metrics are in") == 1
 
 
 def test_prompts_per_step_that_do_not_divide_among_the_processes_exit_2_with_one_line(tmp_path, capsys, monkeypatch):
@@ -844,30 +898,44 @@ def equal_groups() -> list[sampling.Rollout]:
 EQUAL_GROUP_ADVANTAGES = torch.tensor([1.0, -0.5, -0.5, 0.7, -0.7, 0.0, -1.0, 0.2, 0.8, 0.5, -1.1, 0.6])
 
 
-def update_on(model, rollouts, advantages, pad_id):
+def update_on(model, rollouts, advantages, pad_id, beta: float = 0.0):
     """One policy_update with plain SGD (its step is proportional to the gradient, unlike Adam's first
     step) and micro-batches of 2 (so DDP skips the sync on all but the last); the stats and the LoRA
     weights and gradients after it."""
     params = [p for p in model.parameters() if p.requires_grad]
     optimizer = torch.optim.SGD(params, lr=0.5)
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: 1.0)
-    args = train.Args(micro_batch=2, bf16_autocast=False, max_grad_norm=1e9)
+    args = train.Args(micro_batch=2, bf16_autocast=False, max_grad_norm=1e9, beta=beta)
     stats = train.policy_update(model, optimizer, scheduler, rollouts, advantages, args, pad_id)
     return stats, [p.detach().clone() for p in params], [p.grad.clone() for p in params]
 
 
-def ddp_update_worker(rank: int, model_dir: str, port: int, out: str) -> None:
-    """One of two ranks: its half of the prompts, the same update through DDP."""
+def checkpointed_lora_policy(model_dir: Path, checkpointing: bool):
+    model, tokenizer = lora_policy(model_dir)
+    if checkpointing:
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+        model.enable_input_require_grads()
+    return model, tokenizer
+
+
+def ddp_update_worker(rank: int, model_dir: str, port: int, out: str, beta: float, checkpointing: bool) -> None:
+    """One of two ranks: its half of the prompts, the same update through DDP, counting DDP's gradient
+    all-reduces (one per bucket of gradients; the tiny model's LoRA gradients fill one bucket)."""
+    from torch.distributed.algorithms.ddp_comm_hooks.default_hooks import allreduce_hook
+
     os.environ.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE="2", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     world = distributed.world_from_env()
     distributed.start(world)
     torch.set_num_threads(1)
-    model, tokenizer = lora_policy(Path(model_dir))
+    model, tokenizer = checkpointed_lora_policy(Path(model_dir), checkpointing)
     model = distributed.wrap(model, world)
+    all_reduces = []
+    model.register_comm_hook(None, lambda state, bucket: all_reduces.append(1) or allreduce_hook(torch.distributed.group.WORLD, bucket))
     rollouts, advantages = distributed.shard(equal_groups(), world), distributed.shard(EQUAL_GROUP_ADVANTAGES, world)
-    stats, weights, grads = update_on(model, rollouts, advantages, tokenizer.pad_token_id)
+    stats, weights, grads = update_on(model, rollouts, advantages, tokenizer.pad_token_id, beta)
     stats = distributed.reduce_row(stats, world, slowest=())
-    torch.save({"stats": stats, "weights": weights, "grads": grads}, Path(out) / f"rank{rank}.pt")
+    torch.save({"stats": stats, "weights": weights, "grads": grads, "all_reduces": len(all_reduces),
+                "micro_batches": len(train.micro_batches(rollouts, 2))}, Path(out) / f"rank{rank}.pt")
     distributed.finish(world)
 
 
@@ -879,19 +947,26 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def test_two_processes_with_half_the_prompts_each_make_the_update_of_one_process_with_all(tiny_model_dir, tmp_path):
+@pytest.mark.parametrize("beta, checkpointing", [(0.0, False), (0.1, True)])
+def test_two_processes_with_half_the_prompts_each_make_the_update_of_one_process_with_all(tiny_model_dir, tmp_path, beta, checkpointing):
+    """The same LoRA gradients, weights and loss; with beta > 0 the KL reference (the adapter switched
+    off inside the DDP wrapper) and gradient checkpointing under DDP too. DDP communicates once per
+    step (no_sync on all but the last micro-batch), not once per micro-batch."""
     import torch.multiprocessing as mp
 
-    model, tokenizer = lora_policy(tiny_model_dir)
-    stats, weights, grads = update_on(model, equal_groups(), EQUAL_GROUP_ADVANTAGES, tokenizer.pad_token_id)
-    mp.spawn(ddp_update_worker, args=(str(tiny_model_dir), free_port(), str(tmp_path)), nprocs=2, join=True)
+    model, tokenizer = checkpointed_lora_policy(tiny_model_dir, checkpointing)
+    stats, weights, grads = update_on(model, equal_groups(), EQUAL_GROUP_ADVANTAGES, tokenizer.pad_token_id, beta)
+    mp.spawn(ddp_update_worker, args=(str(tiny_model_dir), free_port(), str(tmp_path), beta, checkpointing), nprocs=2, join=True)
     ranks = [torch.load(tmp_path / f"rank{r}.pt") for r in (0, 1)]
+    assert [r["all_reduces"] for r in ranks] == [1, 1] and ranks[0]["micro_batches"] == 4
+    assert (stats["kl"] > 0) == (beta > 0)
     total = torch.cat([g.flatten() for g in grads]).norm()
     assert total > 0 and any((w - w0).abs().max() > 0 for w, w0 in zip(weights, lora_policy_weights(tiny_model_dir)))
     for rank in ranks:
         assert torch.cat([(a - b).flatten() for a, b in zip(rank["grads"], grads)]).norm() / total <= 1e-5
         assert max((a - b).abs().max().item() for a, b in zip(rank["weights"], weights)) <= 1e-6
         assert rank["stats"]["loss"] == pytest.approx(stats["loss"], abs=1e-6)
+        assert rank["stats"]["kl"] == pytest.approx(stats["kl"], abs=1e-6)
         assert rank["stats"]["grad_norm"] == pytest.approx(stats["grad_norm"], rel=1e-5)
     assert all(torch.equal(a, b) for a, b in zip(ranks[0]["weights"], ranks[1]["weights"]))  # the ranks stay identical
 
@@ -899,20 +974,6 @@ def test_two_processes_with_half_the_prompts_each_make_the_update_of_one_process
 def lora_policy_weights(model_dir: Path) -> list[torch.Tensor]:
     model, _ = lora_policy(model_dir)
     return [p.detach().clone() for p in model.parameters() if p.requires_grad]
-
-
-def test_under_torchrun_a_repeated_ctrl_c_still_saves_while_alone_it_quits():
-    """torchrun forwards the terminal's Ctrl-C to ranks that got it from the terminal already."""
-    stop = {"requested": False}
-    handler = train.ctrl_c_handler(stop, distributed.World(rank=1, size=2, launched=True))
-    handler(signal.SIGINT, None)
-    handler(signal.SIGINT, None)  # the forwarded copy: no KeyboardInterrupt, the checkpoint still gets written
-    assert stop["requested"]
-    stop = {"requested": False}
-    handler = train.ctrl_c_handler(stop, distributed.World())
-    handler(signal.SIGINT, None)
-    with pytest.raises(KeyboardInterrupt):
-        handler(signal.SIGINT, None)
 
 
 def test_one_process_world_leaves_everything_as_it_is():
@@ -1065,6 +1126,15 @@ def test_plot_writes_a_png_and_prints_the_speedup_table(tmp_path, capsys):
     assert "PODS max_variance n=16 m=8" in out and "2.0 min" in out and "2.00x" in out
     assert "never reached" in out
     assert "pods                              4          20.0      10.0    30.0" in out  # its step costs
+
+
+def test_accuracy_by_minute_is_the_mean_and_standard_error_over_seeds_at_whole_minutes():
+    groups = {"GRPO n=8": [([0, 60, 120], [0.2, 0.4, 0.6]), ([0, 60, 120], [0.2, 0.6, 0.8])],
+              "PODS max_variance n=8 m=4": [([0, 30, 150], [0.2, 0.5, 0.5])]}
+    header, grpo_row, pods_row = evaluation.accuracy_by_minute(groups)
+    assert header.split() == ["run", "seeds", "0", "min", "1", "min", "2", "min", "peak"]  # 2 min: the shortest run's end
+    assert grpo_row.split()[2:] == ["2", "0.200", "+-", "0.000", "0.500", "+-", "0.100", "0.700", "+-", "0.100", "0.700"]
+    assert pods_row.split()[-7:] == ["0.500", "+-", "0.000", "0.500", "+-", "0.000", "0.500"]
 
 
 def test_plot_with_nothing_to_compare_exits_2(tmp_path, capsys):

@@ -447,7 +447,11 @@ def load_checkpoint(path: Path, model, optimizer, scheduler, rng: np.random.Gene
     saved = torch.load(path / "training_state.pt", weights_only=False)
     optimizer.load_state_dict(saved["optimizer"])
     scheduler.load_state_dict(saved["scheduler"])
-    mine = saved["random_states"][world.rank]
+    if "random_states" in saved:
+        mine = saved["random_states"][world.rank]
+    else:  # written by train.py before torchrun support: one process's states, under other names
+        cuda = saved.get("cuda_rng")
+        mine = {"torch": saved["torch_rng"], "numpy": saved["numpy_rng"], "cuda": cuda[0] if cuda else None}
     torch.set_rng_state(mine["torch"])
     if mine["cuda"] is not None and torch.cuda.is_available():
         torch.cuda.set_rng_state(mine["cuda"])
@@ -566,11 +570,12 @@ def train(args: Args, world: distributed.World = distributed.World()) -> Path:
     out_dir.mkdir(parents=True, exist_ok=True)
     metrics_path = out_dir / "metrics.jsonl"
     if args.resume:
-        state = load_checkpoint(found[-1], model, optimizer, scheduler, rng, world)
+        resume_from = distributed.from_main(found[-1], world)  # every rank loads the one rank 0 found
+        state = load_checkpoint(resume_from, model, optimizer, scheduler, rng, world)
         if world.is_main:
             rows = [parse_row(line) for line in metrics_path.read_text().splitlines()] if metrics_path.exists() else []
             metrics_path.write_text("".join(json.dumps(r) + "\n" for r in rows if r and r["step"] <= state["step"]))
-        log.info("resumed from %s: step %d, %.0f s of training", found[-1], state["step"], state["elapsed_s"])
+        log.info("resumed from %s: step %d, %.0f s of training", resume_from, state["step"], state["elapsed_s"])
         sampler.update_weights(model)
     if world.is_main:
         config = dataclasses.asdict(args) | {"model_resolved": model_name, "device": device, "torch": torch.__version__,
@@ -610,19 +615,17 @@ def bar_position(args: Args, state: dict) -> float:
     return round(state["elapsed_s"] / 60, 3) if args.time_budget else state["step"]
 
 
-def ctrl_c_handler(stop: dict, world: distributed.World):
-    """SIGINT handler: the first Ctrl-C asks the loop to stop after the current step and save.
-    Alone, a second one quits without saving. Under torchrun every rank gets each Ctrl-C twice (from
-    the terminal and forwarded by torchrun), so repeats are ignored there; torchrun itself kills the
-    ranks if they have not exited within its --shutdown-timeout (30 s by default)."""
+def ctrl_c_handler(stop: dict):
+    """SIGINT handler: the first Ctrl-C asks the loop to stop after the current step and save; a
+    second one quits without saving. Under torchrun the ranks run in their own sessions, out of the
+    terminal's reach: torchrun passes its first Ctrl-C on to each rank once, and at a second one
+    terminates them (SIGTERM), which again quits without saving."""
 
     def on_sigint(signum, frame):
-        if stop["requested"] and not world.launched:
+        if stop["requested"]:
             raise KeyboardInterrupt
-        if not stop["requested"]:
-            log.info("Ctrl-C: finishing this step, then saving a checkpoint (%s)",
-                     "torchrun stops waiting after its --shutdown-timeout" if world.launched else "Ctrl-C again to quit without saving")
         stop["requested"] = True
+        log.info("Ctrl-C: finishing this step, then saving a checkpoint (Ctrl-C again to quit without saving)")
 
     return on_sigint
 
@@ -633,8 +636,9 @@ def train_loop(args, model, tokenizer, optimizer, scheduler, sampler, stream, st
     rank runs this loop on its share of the prompts; `distributed.any_rank` and `reduce_row` keep the
     ranks agreeing on when to stop and on what to report, and only rank 0 writes."""
     stop = {"requested": False}
-    previous_handler = signal.signal(signal.SIGINT, ctrl_c_handler(stop, world))
-    last_save_s, last_saved_step = state["elapsed_s"], state["step"]
+    previous_handler = signal.signal(signal.SIGINT, ctrl_c_handler(stop))
+    last_save_s = state["elapsed_s"]
+    last_saved_step = state["step"] if args.resume else -1  # a fresh run saves at least checkpoint-0
     bar = progress_bar(args, state, world)
     try:
         with open(metrics_path if world.is_main else os.devnull, "a") as metrics_file:
@@ -661,14 +665,14 @@ def train_loop(args, model, tokenizer, optimizer, scheduler, sampler, stream, st
                 sampler.wake_up()
                 update_s = time.perf_counter() - update_start
 
-                row = {"generation_s": generation_s, "update_s": update_s, "step_s": time.perf_counter() - start,
-                       **step_metrics(scores, correct, formatted, rollouts, kept_idx, args.n, args.m), **update}
-                row = distributed.reduce_row(row, world, slowest=("generation_s", "update_s", "step_s"))
+                seconds = {"generation_s": generation_s, "update_s": update_s, "step_s": time.perf_counter() - start}
+                metrics = step_metrics(scores, correct, formatted, rollouts, kept_idx, args.n, args.m) | update
+                metrics = distributed.reduce_row(seconds | metrics, world, slowest=tuple(seconds))  # torchrun: over all ranks
                 state["step"] += 1
-                state["elapsed_s"] += row.pop("step_s")  # the slowest rank's: all ranks agree on the time budget
+                state["elapsed_s"] += metrics.pop("step_s")  # the slowest rank's, so that all ranks agree on the time budget
                 state["data_position"] = stream.position
-                row = {"step": state["step"], "elapsed_s": round(state["elapsed_s"], 3), **row, "n": args.n, "m": args.m}
-                row["generation_s"], row["update_s"] = round(row["generation_s"], 3), round(row["update_s"], 3)
+                row = {"step": state["step"], "elapsed_s": round(state["elapsed_s"], 3),
+                       **{k: round(v, 3) if k in seconds else v for k, v in metrics.items()}, "n": args.n, "m": args.m}
                 metrics_file.write(json.dumps(row) + "\n")
                 metrics_file.flush()
                 bar.update(bar_position(args, state) - bar.n)
@@ -679,12 +683,12 @@ def train_loop(args, model, tokenizer, optimizer, scheduler, sampler, stream, st
                 if due_steps or due_time:
                     save_checkpoint(out_dir, model, optimizer, scheduler, state, rng, world)
                     last_save_s, last_saved_step = state["elapsed_s"], state["step"]
+        if state["step"] > last_saved_step:  # decided from the state alone, so every rank agrees
+            path = save_checkpoint(out_dir, model, optimizer, scheduler, state, rng, world)
+            log.info("saved %s", path)
     finally:
-        signal.signal(signal.SIGINT, previous_handler)
+        signal.signal(signal.SIGINT, previous_handler)  # only now: a Ctrl-C during the last save is still a first one
         bar.close()
-    if state["step"] > last_saved_step or not checkpoints(out_dir):
-        path = save_checkpoint(out_dir, model, optimizer, scheduler, state, rng, world)
-        log.info("saved %s", path)
     if stop["requested"]:
         raise KeyboardInterrupt
 
