@@ -382,9 +382,15 @@ def mean_curve(runs: list[tuple[list[float], list[float]]]) -> tuple[list[float]
         return runs[0][0], runs[0][1], [0.0] * len(runs[0][0])
     end = min(t[-1] for t, _ in runs)
     grid = sorted({x for t, _ in runs for x in t if x <= end})
-    stacked = np.array([np.interp(grid, t, a) for t, a in runs])
-    se = stacked.std(axis=0, ddof=1) / math.sqrt(len(runs))
-    return grid, stacked.mean(axis=0).tolist(), se.tolist()
+    return grid, *across_seeds(runs, grid)
+
+
+def across_seeds(runs: list[tuple[list[float], list[float]]], times: list[float]) -> tuple[list[float], list[float]]:
+    """Each run's accuracy interpolated at `times`, then the mean and standard error over the runs
+    (0 for a single run)."""
+    stacked = np.array([np.interp(times, t, a) for t, a in runs])
+    se = stacked.std(axis=0, ddof=1) / math.sqrt(len(runs)) if len(runs) > 1 else np.zeros(len(times))
+    return stacked.mean(axis=0).tolist(), se.tolist()
 
 
 def accuracy_by_minute(groups: dict[str, list[tuple[list[float], list[float]]]]) -> list[str]:
@@ -393,11 +399,7 @@ def accuracy_by_minute(groups: dict[str, list[tuple[list[float], list[float]]]])
     minutes = range(0, int(min(t[-1] for runs in groups.values() for t, _ in runs) // 60) + 1)
     lines = [f"{'run':<36}{'seeds':>6}" + "".join(f"{f'{k} min':>16}" for k in minutes) + f"{'peak':>8}"]
     for label, runs in groups.items():
-        cells = []
-        for k in minutes:
-            values = [float(np.interp(60 * k, t, a)) for t, a in runs]
-            se = float(np.std(values, ddof=1) / math.sqrt(len(values))) if len(values) > 1 else 0.0
-            cells.append(f"{np.mean(values):.3f} +- {se:.3f}")
+        cells = [f"{mean:.3f} +- {se:.3f}" for mean, se in zip(*across_seeds(runs, [60 * k for k in minutes]))]
         lines.append(f"{label:<36}{len(runs):>6}" + "".join(f"{c:>16}" for c in cells) + f"{max(mean_curve(runs)[1]):>8.3f}")
     return lines
 

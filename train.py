@@ -525,9 +525,10 @@ def check_resume_config(out_dir: Path, args: Args, world_size: int = 1) -> None:
                if k in saved and saved[k] != getattr(args, k)]
     if changed:
         raise UsageError(f"--resume with other settings than {path} ({', '.join(changed)}); pass the run's own values or choose another --out-dir")
-    if saved.get("world_size", 1) != world_size:
-        raise UsageError(f"--resume with {world_size} process(es), but {out_dir} was trained with {saved.get('world_size', 1)}: "
-                         f"each rank's random state is saved per rank; launch {saved.get('world_size', 1)} (torchrun --nproc_per_node) to continue it")
+    trained_with = saved.get("world_size", 1)
+    if trained_with != world_size:
+        raise UsageError(f"--resume with {world_size} process(es), but {out_dir} was trained with {trained_with}: "
+                         f"each rank's random state is saved per rank; launch {trained_with} (torchrun --nproc_per_node) to continue it")
 
 
 def parse_row(line: str) -> dict | None:
