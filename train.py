@@ -25,6 +25,7 @@ GPU and the CPU profile (sized for the embedded model) otherwise; config.json re
 from __future__ import annotations
 
 import argparse
+import contextlib
 import dataclasses
 import json
 import logging
@@ -35,6 +36,7 @@ import shutil
 import signal
 import sys
 import time
+import warnings
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -82,6 +84,7 @@ class Args:
     clip_eps: float = arg(0.2, "PPO clip range epsilon")
     clip_eps_high: float | None = arg(None, "upper clip range (default: --clip-eps)")
     beta: float = arg(0.0, "KL penalty weight against the base model, the LoRA adapter switched off (the paper uses 0)")
+    tis_cap: float = arg(0.0, "vLLM: weight each token by min(pi_trainer / pi_vLLM, this cap), truncated importance sampling for the gap between the two engines (TRL's default: 2); 0 = off, the paper's method")
     steps: int | None = arg(None, "training steps [GPU 1000, CPU 100]")
     time_budget: float = arg(0.0, "stop after this many minutes of training (0 = no limit)")
     save_every_steps: int = arg(25, "save a checkpoint every this many steps (0 = off)")
@@ -95,15 +98,18 @@ class Args:
     vllm_enforce_eager: bool = arg(False, "vLLM: no CUDA graphs (slower generation, ~0.5-1 GiB less memory: small cards)")
     vllm_sleep: bool = arg(False, "vLLM: free its KV cache during each update and re-allocate it before the next generation (memory for training, at a cost per step)")
     gradient_checkpointing: bool | None = arg(None, "recompute activations in the backward pass [GPU on, CPU off]")
-    bf16_autocast: bool | None = arg(None, "bfloat16 autocast for generation and the update; float32 weights [GPU off (weights are bf16), CPU on: ~2x faster]")
+    bf16_weights: bool | None = arg(None, "store the frozen base weights in bfloat16 (the LoRA adapter stays float32) [GPU on, CPU off]")
+    bf16_autocast: bool | None = arg(None, "bfloat16 autocast for generation and the update [GPU off (the weights are bfloat16 already), CPU on: ~2x faster]")
     gen_batch: int = arg(64, "hf backend: sequences per generate call (rounded up to whole groups of n)")
     share_prompt: bool = arg(True, "compute each prompt once per group: one prefill in hf generation, one forward per micro-batch in the update (exact)")
     benchmark: bool = arg(False, "time one step's phases for GRPO (m=n) and PODS (m=n/2, n/4), print a table, exit")
 
 
 PROFILES = {
-    "gpu": dict(prompts_per_step=1, max_new_tokens=512, lr=5e-6, lora_rank=64, lora_alpha=64, micro_batch=4, steps=1000, gradient_checkpointing=True, bf16_autocast=False),
-    "cpu": dict(prompts_per_step=4, max_new_tokens=32, lr=3e-4, lora_rank=16, lora_alpha=32, micro_batch=8, steps=100, gradient_checkpointing=False, bf16_autocast=True),
+    "gpu": dict(prompts_per_step=1, max_new_tokens=512, lr=5e-6, lora_rank=64, lora_alpha=64, micro_batch=4, steps=1000,
+                gradient_checkpointing=True, bf16_autocast=False, bf16_weights=True),
+    "cpu": dict(prompts_per_step=4, max_new_tokens=32, lr=3e-4, lora_rank=16, lora_alpha=32, micro_batch=8, steps=100,
+                gradient_checkpointing=False, bf16_autocast=True, bf16_weights=False),
 }
 
 
@@ -148,6 +154,8 @@ def resolve(args: Args, device: str, world_size: int = 1) -> Args:
         raise UsageError(f"--temperature {args.temperature} must be > 0: GRPO samples its rollouts")
     if args.beta < 0:
         raise UsageError(f"--beta {args.beta} must be >= 0")
+    if args.tis_cap < 0 or (0 < args.tis_cap < 1):
+        raise UsageError(f"--tis-cap {args.tis_cap} must be 0 (off) or >= 1 (a cap below 1 would shrink every token's weight)")
     for name in ("prompts_per_step", "max_new_tokens", "micro_batch", "steps", "lora_rank", "gen_batch"):
         if getattr(args, name) < 1:
             raise UsageError(f"--{name.replace('_', '-')} {getattr(args, name)} must be >= 1")
@@ -155,6 +163,8 @@ def resolve(args: Args, device: str, world_size: int = 1) -> Args:
         raise UsageError(f"--prompts-per-step {args.prompts_per_step} does not divide among {world_size} processes: "
                          f"it counts the prompts of a step over all of them; pass a multiple of {world_size}")
     sampling.check_vllm_memory_flags(args.gpu_memory_utilization, args.vllm_kv_cache_gb)
+    if args.vllm_sleep and device != "cuda":
+        raise UsageError("--vllm-sleep needs a GPU: vLLM has no sleep mode on a CPU (it frees GPU memory for the update)")
     return args
 
 
@@ -167,25 +177,51 @@ def pick_model(args: Args, device: str) -> str:
     return GPU_MODEL if device == "cuda" else sampling.EMBEDDED
 
 
-def add_lora(model, config):
-    """peft's get_peft_model. peft 0.21's PeftModel.__init__ reads transformers' deprecated
-    `is_gradient_checkpointing` property (renamed `is_activation_checkpointing` in transformers 5.2x),
-    which prints a FutureWarning at every start that no caller can avoid; that one message is
-    silenced here, and only here."""
-    import warnings
-
-    from peft import get_peft_model
-
+@contextlib.contextmanager
+def peft_wrapping():
+    """Around peft's PeftModel construction: peft 0.21's PeftModel.__init__ reads transformers'
+    deprecated `is_gradient_checkpointing` property (renamed `is_activation_checkpointing` in
+    transformers 5.23), which prints a FutureWarning that no caller can avoid; that one message is
+    silenced here, and only here (add_lora, and eval.py's PeftModel.from_pretrained)."""
     with warnings.catch_warnings():
         warnings.filterwarnings("ignore", message="`is_gradient_checkpointing` is deprecated", category=FutureWarning)
+        yield
+
+
+def add_lora(model, config):
+    """peft's get_peft_model (see peft_wrapping)."""
+    from peft import get_peft_model
+
+    with peft_wrapping():
         return get_peft_model(model, config)
 
 
+def enable_activation_checkpointing(model) -> None:
+    """Recompute each decoder layer's activations in the backward pass (non-reentrant, so it is exact
+    with the 4D masks of shared_prompt_logprobs and with DDP). transformers 5.23 renamed
+    `gradient_checkpointing_enable(gradient_checkpointing_kwargs=...)` to
+    `activation_checkpointing_enable(activation_checkpointing_kwargs=...)`, and the new name takes
+    no other keyword: each name gets its own."""
+    base = model.get_base_model() if hasattr(model, "get_base_model") else model
+    kwargs = {"use_reentrant": False}
+    if hasattr(base, "activation_checkpointing_enable"):  # transformers >= 5.23
+        base.activation_checkpointing_enable(activation_checkpointing_kwargs=kwargs)
+    else:  # transformers <= 5.22, e.g. the 5.19 that vLLM 0.32 pins
+        base.gradient_checkpointing_enable(gradient_checkpointing_kwargs=kwargs)
+    base.enable_input_require_grads()  # checkpointed layers need an input that requires grad (the LoRA base is frozen)
+
+
+def is_checkpointing(model) -> bool:
+    """Whether activation checkpointing is on in any decoder layer (transformers' flag on each layer)."""
+    return any(getattr(module, "gradient_checkpointing", False) is True for module in model.modules())
+
+
 def load_trainable_policy(args: Args, model_name: str, device: str):
-    """The policy with fresh LoRA adapters on all attention and MLP projections."""
+    """The policy with fresh LoRA adapters on all attention and MLP projections; base weights in
+    bfloat16 with --bf16-weights (the GPU profile), the adapter in float32 (peft keeps it so)."""
     from peft import LoraConfig
 
-    dtype = torch.bfloat16 if device == "cuda" else torch.float32
+    dtype = torch.bfloat16 if args.bf16_weights else torch.float32
     try:
         model, tokenizer = sampling.load_policy(model_name, device, dtype)
     except sampling.SetupError:
@@ -196,10 +232,8 @@ def load_trainable_policy(args: Args, model_name: str, device: str):
         model, tokenizer = sampling.load_policy(model_name, device, dtype)
     config = LoraConfig(r=args.lora_rank, lora_alpha=args.lora_alpha, lora_dropout=0.0, target_modules=LORA_TARGETS, task_type="CAUSAL_LM")
     model = add_lora(model, config)
-    if args.gradient_checkpointing:  # transformers 5.2x renamed gradient_checkpointing_enable
-        enable = getattr(model, "activation_checkpointing_enable", None) or model.gradient_checkpointing_enable
-        enable(gradient_checkpointing_kwargs={"use_reentrant": False})
-        model.enable_input_require_grads()
+    if args.gradient_checkpointing:
+        enable_activation_checkpointing(model)
     return model, tokenizer, model_name
 
 
@@ -213,6 +247,8 @@ def make_sampler(args: Args, model, tokenizer, model_name: str, device: str, wor
             gpu_memory_utilization=args.gpu_memory_utilization, kv_cache_gb=args.vllm_kv_cache_gb,
             enforce_eager=args.vllm_enforce_eager, sleep_during_update=args.vllm_sleep, dtype="bfloat16",
             seed=args.seed + world.rank, external_launcher=world.launched,
+            adapter_bytes=2 * sum(p.numel() for p in model.parameters() if p.requires_grad),  # handed over in bfloat16
+            adapter_fallback_dir=args.out_dir, logprobs=True,  # the sampler/trainer gap (policy_update)
         )
     return sampling.HFSampler(model, tokenizer, args.max_new_tokens, args.temperature, args.gen_batch,
                               autocast_bf16=args.bf16_autocast, share_prompt=args.share_prompt)
@@ -323,10 +359,13 @@ def shared_prompt_logprobs(model, rollouts: list[sampling.Rollout], temperature:
             row_of[i], column_of[i, :c] = r, torch.cat([torch.tensor([P - 1]), start + torch.arange(c - 1)])
             targets[i, :c], mask[i, :c] = torch.tensor(rollouts[i].completion_ids), 1
             start += c
+    # the [rows, L, L] mask is built on the model's device (L ~ 1-2.5k on GSM8K; an in-process vLLM
+    # engine leaves the trainer one CPU thread)
+    segment = segment.to(device)
     query, key = segment[:, :, None], segment[:, None, :]
-    causal = torch.ones(L, L, dtype=torch.bool).tril()
-    attend = ((key == 0) | (key == query)) & (key >= 0) & causal | torch.eye(L, dtype=torch.bool)  # padding sees itself
-    attention = attend[:, None].to(device)
+    causal = torch.ones(L, L, dtype=torch.bool, device=device).tril()
+    attend = ((key == 0) | (key == query)) & (key >= 0) & causal | torch.eye(L, dtype=torch.bool, device=device)  # padding sees itself
+    attention = attend[:, None]
     attention_kind = distributed.unwrap(model).config._attn_implementation
     if attention_kind == "eager":  # eager attention adds the mask to its scores
         attention = torch.zeros(attention.shape, device=device).masked_fill(~attention, torch.finfo(torch.float32).min)
@@ -339,6 +378,18 @@ def shared_prompt_logprobs(model, rollouts: list[sampling.Rollout], temperature:
     row_of, column_of, targets = row_of.to(device), column_of.to(device) - (P - 1), targets.to(device)
     logprobs = logits[row_of, column_of, targets] - normalizer[row_of, column_of]
     return logprobs, mask.to(device)
+
+
+def sampler_logprobs(batch: list[sampling.Rollout], like: torch.Tensor) -> torch.Tensor | None:
+    """The sampling engine's log-probs of each completion token, padded like the trainer's [B, C]
+    log-probs `like`; None when the sampler does not return them (transformers generate, where the
+    sampler is the trained model itself)."""
+    if any(r.logprobs is None for r in batch):
+        return None
+    padded = torch.zeros_like(like)
+    for i, r in enumerate(batch):
+        padded[i, : len(r.logprobs)] = torch.tensor(r.logprobs, dtype=like.dtype)
+    return padded
 
 
 def micro_batches(kept: list[sampling.Rollout], size: int) -> list[list[int]]:
@@ -364,6 +415,9 @@ def policy_update(model, optimizer, scheduler, kept: list[sampling.Rollout], adv
     With --share-prompt, micro-batches follow the prompt groups and each prompt in one is
     forwarded once (shared_prompt_logprobs).
     One update per batch: pi_old = pi_theta (detached), so no extra forward pass is needed.
+    When the sampler returned its own log-probs (vLLM), the mean and max |log pi_sampler - log pi_theta|
+    over the completion tokens are reported (`sampler_gap_mean`, `sampler_gap_max`), and --tis-cap
+    weights each token by the truncated ratio of the two (grpo.truncated_importance_weights).
     With beta > 0 the reference policy is the base model (the LoRA adapter switched off), one
     extra forward pass without gradients per micro-batch, again on the kept rollouts only.
     Under torchrun `model` is wrapped in DDP, which averages the gradients across ranks in the
@@ -374,6 +428,7 @@ def policy_update(model, optimizer, scheduler, kept: list[sampling.Rollout], adv
     device = next(model.parameters()).device
     optimizer.zero_grad(set_to_none=True)
     totals = {"loss": 0.0, "clip_frac": 0.0, "ratio_mean": 0.0, "kl": 0.0}
+    gap_sum, gap_max, gap_tokens = 0.0, 0.0, 0
     logprobs_of = shared_prompt_logprobs if args.share_prompt else completion_logprobs
     batches = micro_batches(kept, args.micro_batch)
     for step, indices in enumerate(batches):
@@ -387,13 +442,22 @@ def policy_update(model, optimizer, scheduler, kept: list[sampling.Rollout], adv
                         ref_logprobs, _ = logprobs_of(policy, batch, args.temperature, pad_id)
                 logprobs, mask = logprobs_of(model, batch, args.temperature, pad_id)
             adv = advantages[indices].to(logprobs.device)
+            sampled = sampler_logprobs(batch, logprobs)
+            weights = None
+            if sampled is not None:  # vLLM: how far its log-probs are from the trainer's, and optionally a correction
+                gap = (logprobs.detach() - sampled).abs() * mask
+                gap_sum, gap_max, gap_tokens = gap_sum + gap.sum().item(), max(gap_max, gap.max().item()), gap_tokens + int(mask.sum())
+                if args.tis_cap:
+                    weights = grpo.truncated_importance_weights(logprobs, sampled, args.tis_cap)
             loss, stats = grpo.grpo_loss(logprobs, logprobs.detach(), adv, mask, args.clip_eps, args.clip_eps_high,
-                                         ref_logprobs=ref_logprobs, beta=args.beta)
+                                         ref_logprobs=ref_logprobs, beta=args.beta, token_weights=weights)
             weight = len(batch) / len(kept)
             (loss * weight).backward()
         totals["loss"] += loss.item() * weight
         for k in ("clip_frac", "ratio_mean", "kl"):
             totals[k] += stats[k] * weight
+    if gap_tokens:
+        totals["sampler_gap_mean"], totals["sampler_gap_max"] = gap_sum / gap_tokens, gap_max
     params = [p for p in model.parameters() if p.requires_grad]
     totals["grad_norm"] = float(torch.nn.utils.clip_grad_norm_(params, args.max_grad_norm))
     totals["lr"] = scheduler.get_last_lr()[0]
@@ -411,9 +475,13 @@ def checkpoints(out_dir: Path) -> list[Path]:
 
 
 def random_state(rng: np.random.Generator) -> dict:
-    """This process's random generators: torch (sampling on the hf backend), CUDA, numpy (the random rule)."""
+    """This process's random generators: torch (sampling on the hf backend), CUDA, the run's numpy
+    generator (the random rule), and numpy's and Python's global ones: vLLM draws each request's
+    sampling seed from numpy's global generator (Model Runner V2), so without it a resumed run would
+    replay the noise of the run's first steps instead of continuing."""
     return {"torch": torch.get_rng_state(), "numpy": rng.bit_generator.state,
-            "cuda": torch.cuda.get_rng_state() if torch.cuda.is_available() else None}
+            "cuda": torch.cuda.get_rng_state() if torch.cuda.is_available() else None,
+            "numpy_global": np.random.get_state(), "python": random.getstate()}
 
 
 def save_checkpoint(out_dir: Path, model, optimizer, scheduler, state: dict, rng: np.random.Generator,
@@ -444,7 +512,8 @@ def load_checkpoint(path: Path, model, optimizer, scheduler, rng: np.random.Gene
     from safetensors.torch import load_file
 
     set_peft_model_state_dict(distributed.unwrap(model), load_file(path / "adapter_model.safetensors"))
-    saved = torch.load(path / "training_state.pt", weights_only=False)
+    # map_location: tensors saved from rank 0's GPU would otherwise be restored onto GPU 0 by every rank
+    saved = torch.load(path / "training_state.pt", map_location="cpu", weights_only=False)
     optimizer.load_state_dict(saved["optimizer"])
     scheduler.load_state_dict(saved["scheduler"])
     if "random_states" in saved:
@@ -456,6 +525,9 @@ def load_checkpoint(path: Path, model, optimizer, scheduler, rng: np.random.Gene
     if mine["cuda"] is not None and torch.cuda.is_available():
         torch.cuda.set_rng_state(mine["cuda"])
     rng.bit_generator.state = mine["numpy"]
+    if "numpy_global" in mine:  # checkpoints before these were saved leave them as the engine seeded them
+        np.random.set_state(mine["numpy_global"])
+        random.setstate(mine["python"])
     return json.loads((path / "trainer_state.json").read_text())
 
 
@@ -559,34 +631,37 @@ def train(args: Args, world: distributed.World = distributed.World()) -> Path:
     model, tokenizer, model_name = load_trainable_policy(args, pick_model(args, device), device)
     prompts = tokenize_examples(examples, tokenizer, args.max_prompt_tokens)
     sampler = make_sampler(args, model, tokenizer, model_name, device, world)
-    log.info("%s", start_line(args, model_name, sampler, out_dir, device, world))
-    torch.manual_seed(args.seed + world.rank)  # again (an in-process vLLM engine seeds this process's generators
-    rng = np.random.default_rng(args.seed + world.rank)  # when it starts); each rank samples its own rollouts
-    optimizer = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=args.lr,
-                                  betas=(args.adam_beta1, args.adam_beta2), weight_decay=args.weight_decay)
-    warmup = max(1, math.ceil(args.warmup_ratio * args.steps))
-    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: min(1.0, (s + 1) / warmup))
+    try:
+        log.info("%s", start_line(args, model_name, sampler, out_dir, device, world))
+        torch.manual_seed(args.seed + world.rank)  # again (an in-process vLLM engine seeds this process's generators
+        rng = np.random.default_rng(args.seed + world.rank)  # when it starts); each rank samples its own rollouts
+        optimizer = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=args.lr,
+                                      betas=(args.adam_beta1, args.adam_beta2), weight_decay=args.weight_decay)
+        warmup = max(1, math.ceil(args.warmup_ratio * args.steps))
+        scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: min(1.0, (s + 1) / warmup))
 
-    state = {"step": 0, "elapsed_s": 0.0, "data_position": 0}
-    out_dir.mkdir(parents=True, exist_ok=True)
-    metrics_path = out_dir / "metrics.jsonl"
-    if args.resume:
-        resume_from = distributed.from_main(found[-1], world)  # every rank loads the one rank 0 found
-        state = load_checkpoint(resume_from, model, optimizer, scheduler, rng, world)
+        state = {"step": 0, "elapsed_s": 0.0, "data_position": 0}
+        out_dir.mkdir(parents=True, exist_ok=True)
+        metrics_path = out_dir / "metrics.jsonl"
+        if args.resume:
+            resume_from = distributed.from_main(found[-1], world)  # every rank loads the one rank 0 found
+            state = load_checkpoint(resume_from, model, optimizer, scheduler, rng, world)
+            if world.is_main:
+                rows = [parse_row(line) for line in metrics_path.read_text().splitlines()] if metrics_path.exists() else []
+                metrics_path.write_text("".join(json.dumps(r) + "\n" for r in rows if r and r["step"] <= state["step"]))
+            log.info("resumed from %s: step %d, %.0f s of training", resume_from, state["step"], state["elapsed_s"])
+            sampler.update_weights(model)
         if world.is_main:
-            rows = [parse_row(line) for line in metrics_path.read_text().splitlines()] if metrics_path.exists() else []
-            metrics_path.write_text("".join(json.dumps(r) + "\n" for r in rows if r and r["step"] <= state["step"]))
-        log.info("resumed from %s: step %d, %.0f s of training", resume_from, state["step"], state["elapsed_s"])
-        sampler.update_weights(model)
-    if world.is_main:
-        config = dataclasses.asdict(args) | {"model_resolved": model_name, "device": device, "torch": torch.__version__,
-                                             "world_size": world.size}
-        (out_dir / "config.json").write_text(json.dumps(config, indent=2))
+            config = dataclasses.asdict(args) | {"model_resolved": model_name, "device": device, "torch": torch.__version__,
+                                                 "world_size": world.size}
+            (out_dir / "config.json").write_text(json.dumps(config, indent=2))
 
-    stream = PromptStream(prompts, args.seed, state["data_position"])
-    model = distributed.wrap(model, world)  # torchrun: DDP; the sampler keeps the PEFT model it was given
-    train_loop(args, model, tokenizer, optimizer, scheduler, sampler, stream, state, rng, out_dir, metrics_path, world)
-    return out_dir
+        stream = PromptStream(prompts, args.seed, state["data_position"])
+        model = distributed.wrap(model, world)  # torchrun: DDP; the sampler keeps the PEFT model it was given
+        train_loop(args, model, tokenizer, optimizer, scheduler, sampler, stream, state, rng, out_dir, metrics_path, world)
+        return out_dir
+    finally:
+        sampler.close()  # before distributed.finish: vLLM's engine shutdown destroys the default process group
 
 
 def start_line(args: Args, model_name: str, sampler, out_dir: Path, device: str, world: distributed.World = distributed.World()) -> str:
@@ -605,8 +680,8 @@ def progress_bar(args: Args, state: dict, world: distributed.World = distributed
     from tqdm import tqdm
 
     desc = f"{args.rule} n={args.n} m={args.m}"
-    if args.time_budget:
-        return tqdm(total=args.time_budget, initial=bar_position(args, state), desc=desc, dynamic_ncols=True,
+    if args.time_budget:  # a resumed run may already be past its budget: the total is never below the count
+        return tqdm(total=max(args.time_budget, bar_position(args, state)), initial=bar_position(args, state), desc=desc, dynamic_ncols=True,
                     bar_format="{l_bar}{bar}| {n:.1f}/{total:g} min [{elapsed}{postfix}]", disable=not world.is_main)
     return tqdm(total=args.steps, initial=bar_position(args, state), desc=desc, unit="step", dynamic_ncols=True,
                 disable=not world.is_main)
@@ -616,19 +691,50 @@ def bar_position(args: Args, state: dict) -> float:
     return round(state["elapsed_s"] / 60, 3) if args.time_budget else state["step"]
 
 
-def ctrl_c_handler(stop: dict):
-    """SIGINT handler: the first Ctrl-C asks the loop to stop after the current step and save; a
-    second one quits without saving. Under torchrun the ranks run in their own sessions, out of the
-    terminal's reach: torchrun passes its first Ctrl-C on to each rank once, and at a second one
-    terminates them (SIGTERM), which again quits without saving."""
+def show_progress(bar, args: Args, state: dict, row: dict) -> None:
+    """Move the bar to the step just finished. The last step of a time-budgeted run ends past the
+    budget: the bar's total grows to the count (tqdm would otherwise drop its total once the count
+    passes it by half a unit, and the minutes format would fail on it). Display code must never end
+    a run, so anything else that fails here is logged and training goes on."""
+    try:
+        position = bar_position(args, state)
+        if bar.total is not None and position > bar.total:
+            bar.total = position
+        bar.update(position - bar.n)
+        bar.set_postfix(step=state["step"], reward=f"{row['reward_mean']:.3f}", acc=f"{row['accuracy']:.3f}")
+    except Exception as err:  # noqa: BLE001 - a display failure must not cost the checkpoint
+        log.warning("progress bar failed (%s: %s); training goes on", type(err).__name__, err)
 
-    def on_sigint(signum, frame):
+
+def write_row(metrics_file, row: dict) -> None:
+    """Append one metrics.jsonl row. A failed write (a full disk) is logged, not raised, so that the
+    step's checkpoint is still attempted; a resumed run rewrites the file up to its checkpoint."""
+    try:
+        metrics_file.write(json.dumps(row) + "\n")
+        metrics_file.flush()
+    except OSError as err:
+        log.warning("could not write metrics row %d (%s); training goes on", row["step"], err)
+
+
+STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM)
+
+
+def ctrl_c_handler(stop: dict):
+    """SIGINT and SIGTERM handler: the first signal asks the loop to stop after the current step and
+    save; a second one quits without saving. SIGTERM is what cluster schedulers send before a kill
+    (the step finishes and is saved if their grace period allows). Under torchrun the ranks run in
+    their own sessions, out of the terminal's reach: torchrun passes its first Ctrl-C on to each rank
+    once, and at a second one terminates them (SIGTERM), which, being their second signal, quits
+    without saving."""
+
+    def on_signal(signum, frame):
         if stop["requested"]:
             raise KeyboardInterrupt
         stop["requested"] = True
-        log.info("Ctrl-C: finishing this step, then saving a checkpoint (Ctrl-C again to quit without saving)")
+        name = "Ctrl-C" if signum == signal.SIGINT else signal.Signals(signum).name
+        log.info("%s: finishing this step, then saving a checkpoint (Ctrl-C again to quit without saving)", name)
 
-    return on_sigint
+    return on_signal
 
 
 def train_loop(args, model, tokenizer, optimizer, scheduler, sampler, stream, state, rng, out_dir, metrics_path,
@@ -637,7 +743,7 @@ def train_loop(args, model, tokenizer, optimizer, scheduler, sampler, stream, st
     rank runs this loop on its share of the prompts; `distributed.any_rank` and `reduce_row` keep the
     ranks agreeing on when to stop and on what to report, and only rank 0 writes."""
     stop = {"requested": False}
-    previous_handler = signal.signal(signal.SIGINT, ctrl_c_handler(stop))
+    previous_handlers = {sig: signal.signal(sig, ctrl_c_handler(stop)) for sig in STOP_SIGNALS}
     last_save_s = state["elapsed_s"]
     last_saved_step = state["step"] if args.resume else -1  # a fresh run saves at least checkpoint-0
     bar = progress_bar(args, state, world)
@@ -674,21 +780,20 @@ def train_loop(args, model, tokenizer, optimizer, scheduler, sampler, stream, st
                 state["data_position"] = stream.position
                 row = {"step": state["step"], "elapsed_s": round(state["elapsed_s"], 3),
                        **{k: round(v, 3) if k in seconds else v for k, v in metrics.items()}, "n": args.n, "m": args.m}
-                metrics_file.write(json.dumps(row) + "\n")
-                metrics_file.flush()
-                bar.update(bar_position(args, state) - bar.n)
-                bar.set_postfix(step=state["step"], reward=f"{row['reward_mean']:.3f}", acc=f"{row['accuracy']:.3f}")
+                write_row(metrics_file, row)
 
                 due_steps = args.save_every_steps and state["step"] % args.save_every_steps == 0
                 due_time = args.save_every_minutes and state["elapsed_s"] - last_save_s >= args.save_every_minutes * 60
                 if due_steps or due_time:
                     save_checkpoint(out_dir, model, optimizer, scheduler, state, rng, world)
                     last_save_s, last_saved_step = state["elapsed_s"], state["step"]
+                show_progress(bar, args, state, row)  # last: nothing cosmetic runs before the checkpoint
         if state["step"] > last_saved_step:  # decided from the state alone, so every rank agrees
             path = save_checkpoint(out_dir, model, optimizer, scheduler, state, rng, world)
             log.info("saved %s", path)
     finally:
-        signal.signal(signal.SIGINT, previous_handler)  # only now: a Ctrl-C during the last save is still a first one
+        for sig, handler in previous_handlers.items():  # only now: a Ctrl-C during the last save is still a first one
+            signal.signal(sig, handler)
         bar.close()
     if stop["requested"]:
         raise KeyboardInterrupt
@@ -737,7 +842,10 @@ def benchmark(args: Args, repeats: int = 2) -> list[dict]:
     Each repeat draws --prompts-per-step prompts and generates their n rollouts twice from the same
     seed, without and with the shared prefill (the same tokens come out, so the work is the same),
     then runs the update on the m kept by --rule for each m, without and with prompt sharing,
-    measuring its peak memory too. Prints the means and the ratios to GRPO's step.
+    measuring its peak memory too. Prints the means and the ratios to GRPO's step. m below 2 is left
+    out (advantages need two kept rollouts). With vLLM, generation runs once per repeat: vLLM always
+    shares prompts (prefix caching) and its noise is not torch's, so the per-row column is for the
+    transformers backend only.
     """
     device = "cuda" if torch.cuda.is_available() else "cpu"
     args = resolve(dataclasses.replace(args, m=args.n, rule=args.rule if args.rule != "none" else "max_variance"), device)
@@ -749,14 +857,17 @@ def benchmark(args: Args, repeats: int = 2) -> list[dict]:
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: 1.0)
     sampler = make_sampler(args, model, tokenizer, model_name, device)
     sampler.generate([stream.next_batch(1)[0][0]], 2)  # warm-up: first calls pay one-off costs
-    ms, shares = [args.n, args.n // 2, args.n // 4], (False, True)
+    ms = sorted({m for m in (args.n, args.n // 2, args.n // 4) if m >= 2}, reverse=True)
+    shares = (False, True)
+    vllm = isinstance(sampler, sampling.VLLMSampler)
+    generation_shares = (True,) if vllm else shares  # vLLM: generation once, always shared
     gen_s = {share: [] for share in shares}
     upd_s = {(m, share): [] for m in ms for share in shares}
     mem_mb = {(m, share): [] for m in ms for share in shares}
     tokens = []
     for repeat in range(repeats):
         batch = stream.next_batch(args.prompts_per_step)
-        for share in shares:
+        for share in generation_shares:
             sampler.share_prompt = share
             torch.manual_seed(args.seed + repeat)
             start = time.perf_counter()
@@ -776,11 +887,12 @@ def benchmark(args: Args, repeats: int = 2) -> list[dict]:
     rows = []
     for m in ms:
         for share in shares:
-            generation, update = float(np.mean(gen_s[share])), float(np.mean(upd_s[m, share]))
+            generation, update = float(np.mean(gen_s[share] or gen_s[True])), float(np.mean(upd_s[m, share]))
             rows.append({"n": args.n, "m": m, "share_prompt": share, "generation_s": generation, "update_s": update,
                          "step_s": generation + update, "update_peak_mb": float(np.max(mem_mb[m, share]))})
     print(f"\n{model_name}, {args.prompts_per_step} prompts x n={args.n}, {args.max_new_tokens} new tokens, "
-          f"micro-batch {args.micro_batch}, {device}, mean of {repeats}")
+          f"micro-batch {args.micro_batch}, {device}, mean of {repeats}"
+          + ("; vLLM generates once (it always shares prompts): the prompt column is the update's" if vllm else ""))
     print(f"{'method':<18}{'prompt':>10}{'generation s':>14}{'update s':>10}{'step s':>8}{'update peak MiB':>17}{'step/GRPO':>11}")
     grpo_step = rows[0]["step_s"]  # GRPO with the prompt per rollout: the reference
     for row in rows:
