@@ -1256,7 +1256,12 @@ def test_vllm_ctrl_c_during_generation_finishes_the_step_saves_and_resumes(embed
     resumed = subprocess.run([sys.executable, "-c", VLLM_CTRL_C_DRIVER, *argv, "--resume"], cwd=Path(__file__).parent,
                              capture_output=True, text=True, timeout=900)
     assert resumed.returncode == 0, resumed.stderr[-2000:]
-    assert [r["step"] for r in read_metrics(out)] == [1, 2, 3]
+    rows = read_metrics(out)
+    assert [r["step"] for r in rows] == [1, 2, 3]
+    # vLLM's log-probs against the trainer's (bfloat16 adapter copy, float32 trainer): logged every step
+    assert all(0 < r["sampler_gap_mean"] <= r["sampler_gap_max"] < 0.05 for r in rows), [(r["sampler_gap_mean"], r["sampler_gap_max"]) for r in rows]
+    assert not list(Path("/dev/shm").glob("pods-adapter-*")) or all(  # the engine's adapter directories are gone
+        sampling.process_exists(int(p.name.split("-")[2])) for p in Path("/dev/shm").glob("pods-adapter-*"))
 
 
 class FakeCompletion:
