@@ -1749,6 +1749,7 @@ def test_vllm_path_of_train_py_up_to_the_engine(tiny_model_dir, tmp_path, monkey
     made = []
     install_fake_vllm(monkeypatch, made)
     out = tmp_path / "run"
+    adapter_dirs_before = set(Path("/dev/shm").glob(f"pods-adapter-{os.getpid()}-*"))  # of engines made by other tests
     argv = tiny_args(tiny_model_dir, out, "--backend", "vllm", "--steps", "2", "--vllm-enforce-eager", "--tis-cap", "2")
     assert train.main(argv) == 0
     (llm,) = made
@@ -1760,7 +1761,7 @@ def test_vllm_path_of_train_py_up_to_the_engine(tiny_model_dir, tmp_path, monkey
     rows = read_metrics(out)
     assert all(r["sampler_gap_mean"] > 0 and r["sampler_gap_max"] >= r["sampler_gap_mean"] for r in rows)
     assert llm.shut_down  # close() shut the engine down
-    assert not list(Path("/dev/shm").glob(f"pods-adapter-{os.getpid()}-*")) and not list(out.glob("pods-adapter-*"))
+    assert set(Path("/dev/shm").glob(f"pods-adapter-{os.getpid()}-*")) == adapter_dirs_before and not list(out.glob("pods-adapter-*"))
 
 
 def test_vllm_generate_gives_each_prompt_its_own_seed(tiny_model_dir, monkeypatch):
@@ -1942,3 +1943,118 @@ def test_plot_takes_the_baseline_it_is_given(tmp_path, capsys):
     argv = ["--plot", str(grpo_run), str(pods_run), "--out", str(tmp_path / "fig.png"), "--baseline", "PODS max_variance n=16 m=8"]
     assert evaluation.main(argv) == 0
     assert "baseline PODS max_variance n=16 m=8: peak 0.650" in capsys.readouterr().out
+
+
+# ----------------------------------------------------------------------------- faults survived
+
+
+def test_resume_auto_starts_a_run_continues_it_and_refuses_a_run_of_other_settings(tiny_model_dir, tmp_path, monkeypatch, capsys):
+    monkeypatch.setattr(train.rewards, "reward", length_reward)
+    out = tmp_path / "run"
+    assert train.main(tiny_args(tiny_model_dir, out, "--steps", "1", "--resume", "auto")) == 0  # nothing there: starts
+    assert train.main(tiny_args(tiny_model_dir, out, "--steps", "2", "--resume", "auto")) == 0  # a checkpoint: continues
+    assert [r["step"] for r in read_metrics(out)] == [1, 2]
+    assert train.main(tiny_args(tiny_model_dir, out, "--steps", "3", "--n", "6", "--resume", "auto")) == 2
+    err = capsys.readouterr().err.strip().splitlines()[-1]
+    assert err.startswith("error: --resume with other settings") and "--n 4 -> 6" in err
+    died_early = tmp_path / "died"  # metrics written, killed before its first checkpoint: started afresh
+    died_early.mkdir()
+    (died_early / "metrics.jsonl").write_text('{"step": 1}\n')
+    assert train.main(tiny_args(tiny_model_dir, died_early, "--steps", "1", "--resume", "auto")) == 0
+    assert [r["step"] for r in read_metrics(died_early)] == [1] and "reward_mean" in read_metrics(died_early)[0]
+
+
+def nan_loss_on_steps(monkeypatch, steps: set[int]) -> None:
+    """grpo_loss returns a NaN loss (hence NaN gradients) in the updates of the given steps (1-based)."""
+    original, calls = train.grpo.grpo_loss, {"update": 0}
+    original_update = train.policy_update
+
+    def counting_update(*args, **kwargs):
+        calls["update"] += 1
+        return original_update(*args, **kwargs)
+
+    def loss(*args, **kwargs):
+        value, stats = original(*args, **kwargs)
+        return (value * float("nan") if calls["update"] in steps else value), stats
+
+    monkeypatch.setattr(train, "policy_update", counting_update)
+    monkeypatch.setattr(train.grpo, "grpo_loss", loss)
+
+
+def test_a_non_finite_update_is_skipped_leaving_weights_and_optimizer_state_and_the_run_goes_on(tiny_model_dir, tmp_path, monkeypatch, caplog):
+    from safetensors.torch import load_file
+
+    monkeypatch.setattr(train.rewards, "reward", length_reward)
+    nan_loss_on_steps(monkeypatch, {2})
+    out = tmp_path / "run"
+    with caplog.at_level(logging.INFO, logger="pods"):
+        assert train.main(tiny_args(tiny_model_dir, out, "--steps", "3", "--save-every-steps", "1")) == 0
+    rows = read_metrics(out)
+    assert [r["skipped"] for r in rows] == [0, 1, 0] and math.isnan(rows[1]["loss"])
+    assert "step 2: non-finite loss (nan) or gradient norm (nan): update skipped" in caplog.text
+    after_1, after_2, after_3 = (load_file(out / f"checkpoint-{s}" / "adapter_model.safetensors") for s in (1, 2, 3))
+    assert all(torch.equal(after_1[k], after_2[k]) for k in after_1)  # step 2 changed nothing
+    assert any(not torch.equal(after_2[k], after_3[k]) for k in after_2)  # step 3 trained again
+    state_1, state_2 = (torch.load(out / f"checkpoint-{s}" / "training_state.pt", weights_only=False)["optimizer"] for s in (1, 2))
+    for key, value in state_1["state"].items():
+        assert all(torch.equal(value[name], state_2["state"][key][name]) for name in ("step", "exp_avg", "exp_avg_sq"))
+
+
+def test_non_finite_updates_in_a_row_stop_the_run_with_one_line_and_a_checkpoint_of_the_last_good_weights(tiny_model_dir, tmp_path, monkeypatch, capsys):
+    from safetensors.torch import load_file
+
+    monkeypatch.setattr(train.rewards, "reward", length_reward)
+    nan_loss_on_steps(monkeypatch, {2, 3, 4, 5, 6})
+    out = tmp_path / "run"
+    assert train.main(tiny_args(tiny_model_dir, out, "--steps", "10", "--save-every-steps", "1", "--max-skipped-steps", "2")) == 1
+    err = capsys.readouterr().err.strip().splitlines()[-1]
+    assert err.startswith("error: 2 updates in a row had a non-finite loss or gradient norm and were skipped") and "checkpoint-3" in err
+    assert [r["step"] for r in read_metrics(out)] == [1, 2, 3]
+    good, last = (load_file(out / f"checkpoint-{s}" / "adapter_model.safetensors") for s in (1, 3))
+    assert all(torch.equal(good[k], last[k]) for k in good)
+
+
+ELASTIC_DRIVER = """
+import os, signal, sys
+sys.path.insert(0, os.getcwd())
+import train
+train.rewards.reward = lambda completion, answer: float(len(completion) % 3)
+original = train.policy_update
+def dies_in_step_3(*args, **kwargs):
+    marker = os.path.join(os.environ["FAULT_DIR"], "updates-rank" + os.environ["RANK"])
+    count = int(open(marker).read()) + 1 if os.path.exists(marker) else 1
+    open(marker, "w").write(str(count))
+    if count == 3 and os.environ["RANK"] == "1" and os.environ.get("TORCHELASTIC_RESTART_COUNT") == "0":
+        os.kill(os.getpid(), signal.SIGKILL)  # a hardware fault, an OOM kill: no handler runs
+    return original(*args, **kwargs)
+train.policy_update = dies_in_step_3
+sys.exit(train.main())
+"""
+
+
+def test_a_rank_killed_mid_step_under_torchrun_max_restarts_resumes_and_ends_as_an_uninterrupted_run(tiny_model_dir, tmp_path):
+    """torchrun --max-restarts 1 with --resume auto: rank 1 is SIGKILLed in step 3's update, after
+    checkpoint-2; torchrun restarts both ranks with the same command, which continues from
+    checkpoint-2. The fault costs the steps since the last checkpoint (here 1, with --save-every-steps 1)."""
+    from safetensors.torch import load_file
+
+    driver = tmp_path / "elastic.py"
+    driver.write_text(ELASTIC_DRIVER)
+    out, straight = tmp_path / "run", tmp_path / "straight"
+    argv = tiny_args(tiny_model_dir, out, "--steps", "4", "--prompts-per-step", "4", "--save-every-steps", "1", "--resume", "auto")
+    command = [str(Path(sys.executable).with_name("torchrun")), "--standalone", "--nproc_per_node", "2", "--max-restarts", "1",
+               str(driver), "--", *argv]
+    done = subprocess.run(command, cwd=Path(__file__).parent, capture_output=True, text=True, timeout=300,
+                          env=os.environ | {"FAULT_DIR": str(tmp_path)})
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert "resumed from" in done.stderr and "checkpoint-2" in done.stderr
+    rows = read_metrics(out)
+    assert [r["step"] for r in rows] == [1, 2, 3, 4]  # each step exactly once
+    assert int((tmp_path / "updates-rank1").read_text()) == 5  # 3 updates, the 3rd killed; then steps 3 and 4 again
+    done = torchrun(2, *tiny_args(tiny_model_dir, straight, "--steps", "4", "--prompts-per-step", "4"), script=length_reward_script(tmp_path))
+    assert done.returncode == 0, done.stderr[-3000:]
+    for resumed, uninterrupted in zip(rows, read_metrics(straight)):
+        for key in ("reward_mean", "kept_reward_std", "completion_len", "loss", "grad_norm"):
+            assert resumed[key] == pytest.approx(uninterrupted[key], abs=1e-6), key
+    a, b = load_file(out / "checkpoint-4" / "adapter_model.safetensors"), load_file(straight / "checkpoint-4" / "adapter_model.safetensors")
+    assert max((a[k] - b[k]).abs().max().item() for k in a) <= 1e-6

@@ -14,6 +14,7 @@ Usage:
                                                                # CPU: embedded SmolLM2-135M, arithmetic
     python train.py --rule none --n 16 --dataset arith         # vanilla GRPO on all n rollouts
     python train.py --resume --out-dir runs/pods               # continue from the last checkpoint
+    python train.py --resume auto --out-dir runs/pods          # continue if there is one, else start (torchrun --max-restarts)
     python train.py --benchmark --dataset arith                # time one step's phases, GRPO vs PODS
     torchrun --standalone --nproc_per_node 8 train.py -- --n 128 --m 32 --prompts-per-step 8
                                                                # 8 GPUs, data-parallel (distributed.py)
@@ -53,6 +54,7 @@ import sampling
 log = logging.getLogger("pods")
 
 RULES = ("max_variance", "max_reward", "random", "none")
+RESUME_MODES = ("no", "yes", "auto")
 LORA_TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
 GPU_MODEL = "Qwen/Qwen2.5-3B-Instruct"
 
@@ -77,6 +79,8 @@ class Args:
     adam_beta2: float = arg(0.99, "AdamW beta2")
     weight_decay: float = arg(0.1, "AdamW weight decay")
     max_grad_norm: float = arg(0.1, "gradient clipping norm")
+    max_skipped_steps: int = arg(3, "stop (with a checkpoint of the last good weights) after this many updates in a row "
+                                    "skipped for a non-finite loss or gradient norm")
     warmup_ratio: float = arg(0.01, "linear warm-up over this share of --steps, then constant")
     lora_rank: int | None = arg(None, "LoRA rank on all attention and MLP projections [GPU 64, CPU 16]")
     lora_alpha: int | None = arg(None, "LoRA alpha [GPU 64, CPU 32]")
@@ -92,7 +96,8 @@ class Args:
     out_dir: str = arg("runs/pods", "directory for config.json, metrics.jsonl and checkpoint-STEP/")
     seed: int = arg(0, "random seed")
     backend: str = arg("auto", "generation backend: vllm | hf | auto (vllm when it imports and a GPU is present)")
-    resume: bool = arg(False, "continue from the last checkpoint in --out-dir")
+    resume: str = arg("no", "continue from the last checkpoint in --out-dir: --resume (yes: there must be one) | --resume auto "
+                            "(continue if there is one, else start: for restarts by torchrun --max-restarts or a scheduler) | no")
     gpu_memory_utilization: float = arg(0.3, "vLLM: share of GPU memory it may take, weights + LoRA slots + KV cache (the rest is for training)")
     vllm_kv_cache_gb: float | None = arg(None, "vLLM: KV cache size in GiB, instead of what --gpu-memory-utilization leaves")
     vllm_enforce_eager: bool = arg(False, "vLLM: no CUDA graphs (slower generation, ~0.5-1 GiB less memory: small cards)")
@@ -117,11 +122,17 @@ class UsageError(ValueError):
     """A bad command line; the message says what to change."""
 
 
+class TrainingError(RuntimeError):
+    """Training cannot go on (e.g. non-finite updates in a row); the last good state is saved."""
+
+
 def parse_args(argv: list[str] | None = None) -> Args:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     for f in dataclasses.fields(Args):
         flag = "--" + f.name.replace("_", "-")
-        if f.type.startswith("bool"):
+        if f.name == "resume":  # --resume alone means yes
+            parser.add_argument(flag, nargs="?", const="yes", default=f.default, choices=RESUME_MODES, help=f.metadata["help"])
+        elif f.type.startswith("bool"):
             parser.add_argument(flag, action=argparse.BooleanOptionalAction, default=f.default, help=f.metadata["help"])
         else:
             kind = {"int": int, "float": float, "str": str}[f.type.split(" ")[0]]
@@ -156,7 +167,7 @@ def resolve(args: Args, device: str, world_size: int = 1) -> Args:
         raise UsageError(f"--beta {args.beta} must be >= 0")
     if args.tis_cap < 0 or (0 < args.tis_cap < 1):
         raise UsageError(f"--tis-cap {args.tis_cap} must be 0 (off) or >= 1 (a cap below 1 would shrink every token's weight)")
-    for name in ("prompts_per_step", "max_new_tokens", "micro_batch", "steps", "lora_rank", "gen_batch"):
+    for name in ("prompts_per_step", "max_new_tokens", "micro_batch", "steps", "lora_rank", "gen_batch", "max_skipped_steps"):
         if getattr(args, name) < 1:
             raise UsageError(f"--{name.replace('_', '-')} {getattr(args, name)} must be >= 1")
     if args.prompts_per_step % world_size:
@@ -461,8 +472,14 @@ def policy_update(model, optimizer, scheduler, kept: list[sampling.Rollout], adv
     params = [p for p in model.parameters() if p.requires_grad]
     totals["grad_norm"] = float(torch.nn.utils.clip_grad_norm_(params, args.max_grad_norm))
     totals["lr"] = scheduler.get_last_lr()[0]
-    optimizer.step()
-    scheduler.step()
+    # A non-finite loss or gradient norm is not stepped into the weights: they and the optimizer's state stay
+    # as they were. (Under torchrun the norm is that of the all-reduced gradients, so every rank agrees.)
+    totals["skipped"] = int(not (math.isfinite(totals["grad_norm"]) and math.isfinite(totals["loss"])))
+    if totals["skipped"]:
+        optimizer.zero_grad(set_to_none=True)
+    else:
+        optimizer.step()
+        scheduler.step()
     return totals
 
 
@@ -603,6 +620,24 @@ def check_resume_config(out_dir: Path, args: Args, world_size: int = 1) -> None:
                          f"each rank's random state is saved per rank; launch {trained_with} (torchrun --nproc_per_node) to continue it")
 
 
+def continues(resume: str, out_dir: Path, found: list[Path]) -> bool:
+    """Whether this run continues the one in out_dir (--resume yes | auto | no), or refuses in one line.
+    `auto` is start-or-continue: a launcher that restarts failed workers re-runs the same command, so
+    the same flags must start the run the first time and continue it after a fault. A directory with
+    metrics but no checkpoint (a run that died before its first save) is started afresh under auto."""
+    has_metrics = (out_dir / "metrics.jsonl").exists()
+    if resume == "auto":
+        if not found and has_metrics:
+            log.info("--resume auto: %s has no checkpoint yet; starting afresh", out_dir)
+            (out_dir / "metrics.jsonl").unlink(missing_ok=True)
+        return bool(found)
+    if resume == "yes" and not found:
+        raise UsageError(f"--resume: no checkpoint-STEP directory in {out_dir} (--resume auto starts a run when there is none)")
+    if resume == "no" and (found or has_metrics):
+        raise UsageError(f"{out_dir} already holds a run; pass --resume to continue it or choose another --out-dir")
+    return resume == "yes"
+
+
 def parse_row(line: str) -> dict | None:
     """One metrics.jsonl row; None for a line cut short by a crash."""
     try:
@@ -617,11 +652,8 @@ def train(args: Args, world: distributed.World = distributed.World()) -> Path:
     args = resolve(args, device, world.size)
     out_dir = Path(args.out_dir)
     found = checkpoints(out_dir) if out_dir.exists() else []
-    if not args.resume and (found or (out_dir / "metrics.jsonl").exists()):
-        raise UsageError(f"{out_dir} already holds a run; pass --resume to continue it or choose another --out-dir")
-    if args.resume and not found:
-        raise UsageError(f"--resume: no checkpoint-STEP directory in {out_dir}")
-    if args.resume:
+    resuming = continues(args.resume, out_dir, found)
+    if resuming:
         check_resume_config(out_dir, args, world.size)
     distributed.start(world)  # torchrun: meet the other ranks (every rank has passed the checks above)
     distributed.barrier(world)  # ... before rank 0 writes anything into out_dir
@@ -643,7 +675,7 @@ def train(args: Args, world: distributed.World = distributed.World()) -> Path:
         state = {"step": 0, "elapsed_s": 0.0, "data_position": 0}
         out_dir.mkdir(parents=True, exist_ok=True)
         metrics_path = out_dir / "metrics.jsonl"
-        if args.resume:
+        if resuming:
             resume_from = distributed.from_main(found[-1], world)  # every rank loads the one rank 0 found
             state = load_checkpoint(resume_from, model, optimizer, scheduler, rng, world)
             if world.is_main:
@@ -658,7 +690,8 @@ def train(args: Args, world: distributed.World = distributed.World()) -> Path:
 
         stream = PromptStream(prompts, args.seed, state["data_position"])
         model = distributed.wrap(model, world)  # torchrun: DDP; the sampler keeps the PEFT model it was given
-        train_loop(args, model, tokenizer, optimizer, scheduler, sampler, stream, state, rng, out_dir, metrics_path, world)
+        train_loop(args, model, tokenizer, optimizer, scheduler, sampler, stream, state, rng, out_dir, metrics_path, world,
+                   resumed=resuming)
         return out_dir
     finally:
         sampler.close()  # before distributed.finish: vLLM's engine shutdown destroys the default process group
@@ -689,6 +722,15 @@ def progress_bar(args: Args, state: dict, world: distributed.World = distributed
 
 def bar_position(args: Args, state: dict) -> float:
     return round(state["elapsed_s"] / 60, 3) if args.time_budget else state["step"]
+
+
+def count_skipped(update: dict, skipped_in_a_row: int, step: int) -> int:
+    """Updates skipped in a row for a non-finite loss or gradient norm (policy_update), logged."""
+    if not update["skipped"]:
+        return 0
+    log.warning("step %d: non-finite loss (%s) or gradient norm (%s): update skipped, weights unchanged",
+                step, update["loss"], update["grad_norm"])
+    return skipped_in_a_row + 1
 
 
 def show_progress(bar, args: Args, state: dict, row: dict) -> None:
@@ -738,18 +780,21 @@ def ctrl_c_handler(stop: dict):
 
 
 def train_loop(args, model, tokenizer, optimizer, scheduler, sampler, stream, state, rng, out_dir, metrics_path,
-               world: distributed.World = distributed.World()):
+               world: distributed.World = distributed.World(), resumed: bool = False):
     """Steps until --steps, the time budget or a Ctrl-C, then a final checkpoint. Under torchrun each
     rank runs this loop on its share of the prompts; `distributed.any_rank` and `reduce_row` keep the
     ranks agreeing on when to stop and on what to report, and only rank 0 writes."""
     stop = {"requested": False}
     previous_handlers = {sig: signal.signal(sig, ctrl_c_handler(stop)) for sig in STOP_SIGNALS}
     last_save_s = state["elapsed_s"]
-    last_saved_step = state["step"] if args.resume else -1  # a fresh run saves at least checkpoint-0
+    last_saved_step = state["step"] if resumed else -1  # a fresh run saves at least checkpoint-0
     bar = progress_bar(args, state, world)
+    skipped_in_a_row = 0
     try:
         with open(metrics_path if world.is_main else os.devnull, "a") as metrics_file:
             while state["step"] < args.steps and not distributed.any_rank(stop["requested"], world):
+                if skipped_in_a_row >= args.max_skipped_steps:
+                    break
                 if args.time_budget and state["elapsed_s"] >= args.time_budget * 60:
                     log.info("time budget of %.1f min reached", args.time_budget)
                     break
@@ -768,6 +813,7 @@ def train_loop(args, model, tokenizer, optimizer, scheduler, sampler, stream, st
                 update_start = time.perf_counter()
                 sampler.release_memory()  # --vllm-sleep: vLLM's KV cache is freed for the update
                 update = policy_update(model, optimizer, scheduler, kept, advantages, args, tokenizer.pad_token_id)
+                skipped_in_a_row = count_skipped(update, skipped_in_a_row, state["step"] + 1)
                 sampler.update_weights(distributed.unwrap(model))  # vLLM: the new adapter; transformers: nothing to do
                 sampler.wake_up()
                 update_s = time.perf_counter() - update_start
@@ -791,6 +837,10 @@ def train_loop(args, model, tokenizer, optimizer, scheduler, sampler, stream, st
         if state["step"] > last_saved_step:  # decided from the state alone, so every rank agrees
             path = save_checkpoint(out_dir, model, optimizer, scheduler, state, rng, world)
             log.info("saved %s", path)
+        if skipped_in_a_row >= args.max_skipped_steps:
+            raise TrainingError(f"{skipped_in_a_row} updates in a row had a non-finite loss or gradient norm and were skipped; "
+                                f"the last good weights are in {out_dir} (checkpoint-{state['step']}): lower --lr or "
+                                f"--max-grad-norm, or pass --no-bf16-autocast, then --resume")
     finally:
         for sig, handler in previous_handlers.items():  # only now: a Ctrl-C during the last save is still a first one
             signal.signal(sig, handler)
@@ -928,6 +978,10 @@ def main(argv: list[str] | None = None) -> int:
         if world.is_main:
             print(f"error: {err}", file=sys.stderr)
         return 2
+    except TrainingError as err:
+        if world.is_main:
+            print(f"error: {err}", file=sys.stderr)
+        return 1
     except KeyboardInterrupt:
         if world.is_main:
             print("interrupted: last checkpoint and metrics are in " + args.out_dir, file=sys.stderr)
