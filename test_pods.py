@@ -2058,3 +2058,26 @@ def test_a_rank_killed_mid_step_under_torchrun_max_restarts_resumes_and_ends_as_
             assert resumed[key] == pytest.approx(uninterrupted[key], abs=1e-6), key
     a, b = load_file(out / "checkpoint-4" / "adapter_model.safetensors"), load_file(straight / "checkpoint-4" / "adapter_model.safetensors")
     assert max((a[k] - b[k]).abs().max().item() for k in a) <= 1e-6
+
+
+def test_a_disk_that_fills_during_a_checkpoint_leaves_the_previous_one_loadable(tiny_model_dir, tmp_path, monkeypatch, capsys):
+    monkeypatch.setattr(train.rewards, "reward", length_reward)
+    original, saves = torch.save, []
+
+    def fills_on_the_second_checkpoint(obj, path, *args, **kwargs):
+        saves.append(path)
+        if len(saves) == 2:
+            Path(path).write_bytes(b"partial")
+            raise OSError(28, "No space left on device")
+        return original(obj, path, *args, **kwargs)
+
+    monkeypatch.setattr(train.torch, "save", fills_on_the_second_checkpoint)
+    out = tmp_path / "run"
+    assert train.main(tiny_args(tiny_model_dir, out, "--steps", "4", "--save-every-steps", "1")) == 1
+    err = capsys.readouterr().err.strip().splitlines()[-1]
+    assert err.startswith("error: could not write checkpoint-2 ([Errno 28] No space left on device); the last complete checkpoint is")
+    assert err.endswith("checkpoint-1: free space, then --resume")
+    assert [p.name for p in train.checkpoints(out)] == ["checkpoint-1"] and not list(out.glob(".tmp-*"))
+    monkeypatch.setattr(train.torch, "save", original)
+    assert train.main(tiny_args(tiny_model_dir, out, "--steps", "3", "--resume")) == 0
+    assert [r["step"] for r in read_metrics(out)] == [1, 2, 3]

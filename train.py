@@ -512,10 +512,16 @@ def save_checkpoint(out_dir: Path, model, optimizer, scheduler, state: dict, rng
     if world.is_main:
         tmp = out_dir / f".tmp-{path.name}"
         shutil.rmtree(tmp, ignore_errors=True)
-        distributed.unwrap(model).save_pretrained(tmp)
-        torch.save({"optimizer": optimizer.state_dict(), "scheduler": scheduler.state_dict(), "random_states": random_states},
-                   tmp / "training_state.pt")
-        (tmp / "trainer_state.json").write_text(json.dumps(state, indent=2))
+        try:
+            distributed.unwrap(model).save_pretrained(tmp)
+            torch.save({"optimizer": optimizer.state_dict(), "scheduler": scheduler.state_dict(), "random_states": random_states},
+                       tmp / "training_state.pt")
+            (tmp / "trainer_state.json").write_text(json.dumps(state, indent=2))
+        except OSError as err:  # a full disk: the previous checkpoints are untouched (only renamed into place when whole)
+            shutil.rmtree(tmp, ignore_errors=True)
+            previous = checkpoints(out_dir)
+            raise TrainingError(f"could not write {path.name} ({err}); the last complete checkpoint is "
+                                f"{previous[-1] if previous else 'none'}: free space, then --resume") from None
         shutil.rmtree(path, ignore_errors=True)
         tmp.rename(path)
     distributed.barrier(world)
