@@ -706,12 +706,13 @@ def test_cut_at_stop_keeps_the_eos_and_drops_what_follows():
     assert sampling.cut_at_stop([5, 6, 7], {2}) == ([5, 6, 7], True)
 
 
-def test_ctrl_c_finishes_the_step_saves_and_exits_130(tiny_model_dir, tmp_path, monkeypatch):
+@pytest.mark.parametrize("signum", [signal.SIGINT, signal.SIGTERM])  # SIGTERM: what a cluster scheduler sends before its kill
+def test_ctrl_c_or_sigterm_finishes_the_step_saves_and_exits_130(tiny_model_dir, tmp_path, monkeypatch, signum):
     monkeypatch.setattr(train.rewards, "reward", length_reward)
     original = train.policy_update
 
     def interrupted_update(*args, **kwargs):
-        os.kill(os.getpid(), signal.SIGINT)  # Ctrl-C arrives during step 1's update
+        os.kill(os.getpid(), signum)  # arrives during step 1's update
         return original(*args, **kwargs)
 
     monkeypatch.setattr(train, "policy_update", interrupted_update)
@@ -719,6 +720,7 @@ def test_ctrl_c_finishes_the_step_saves_and_exits_130(tiny_model_dir, tmp_path, 
     assert train.main(tiny_args(tiny_model_dir, out, "--steps", "5")) == 130
     assert [r["step"] for r in read_metrics(out)] == [1]
     assert [p.name for p in train.checkpoints(out)] == ["checkpoint-1"]
+    assert signal.getsignal(signum) == (signal.default_int_handler if signum == signal.SIGINT else signal.SIG_DFL)  # restored
 
 
 def test_ctrl_c_that_kills_the_generation_engine_saves_the_last_finished_step(tiny_model_dir, tmp_path, monkeypatch):
@@ -1865,23 +1867,6 @@ def test_a_failing_progress_bar_or_metrics_write_does_not_cost_the_checkpoint(ti
         assert train.main(tiny_args(tiny_model_dir, out, "--steps", "2")) == 0
     assert "progress bar failed (RuntimeError: terminal gone)" in caplog.text
     assert [p.name for p in train.checkpoints(out)] == ["checkpoint-2"] and len(read_metrics(out)) == 2
-
-
-def test_sigterm_finishes_the_step_saves_and_exits_130(tiny_model_dir, tmp_path, monkeypatch):
-    """What a cluster scheduler sends before its kill: treated as a first Ctrl-C."""
-    monkeypatch.setattr(train.rewards, "reward", length_reward)
-    original = train.policy_update
-
-    def terminated_update(*args, **kwargs):
-        os.kill(os.getpid(), signal.SIGTERM)
-        return original(*args, **kwargs)
-
-    monkeypatch.setattr(train, "policy_update", terminated_update)
-    out = tmp_path / "run"
-    assert train.main(tiny_args(tiny_model_dir, out, "--steps", "5")) == 130
-    assert [r["step"] for r in read_metrics(out)] == [1]
-    assert [p.name for p in train.checkpoints(out)] == ["checkpoint-1"]
-    assert signal.getsignal(signal.SIGTERM) == signal.SIG_DFL
 
 
 def test_every_training_flag_reaches_the_run(tiny_model_dir, tmp_path, monkeypatch):
