@@ -56,14 +56,22 @@ def world_from_env() -> World:
 
 
 def start(world: World) -> None:
-    """Join the other ranks: NCCL between GPUs (one per rank, by LOCAL_RANK), gloo between CPUs."""
+    """Join the other ranks: NCCL between GPUs (one per rank, by LOCAL_RANK), gloo between CPUs.
+
+    The ranks meet through torchrun's store, under a prefix that names the attempt: with
+    `--max-restarts` torchrun restarts all ranks against the same store, where the failed attempt's
+    ranks left their addresses, and a restarted rank could read those instead of its new peers'
+    (seen with gloo: "connectFullMesh failed ... Connection refused" in 2 of 5 restarts)."""
     if not world.launched or dist.is_initialized():
         return
+    store, _, _ = next(dist.rendezvous("env://"))
+    store = dist.PrefixStore(f"pods-attempt-{os.environ.get('TORCHELASTIC_RESTART_COUNT', '0')}", store)
     if torch.cuda.is_available():
         torch.cuda.set_device(world.local_rank)  # "cuda" now means this rank's GPU
-        dist.init_process_group("nccl", device_id=torch.device("cuda", world.local_rank))
+        dist.init_process_group("nccl", store=store, rank=world.rank, world_size=world.size,
+                                device_id=torch.device("cuda", world.local_rank))
     else:
-        dist.init_process_group("gloo")
+        dist.init_process_group("gloo", store=store, rank=world.rank, world_size=world.size)
 
 
 def finish(world: World) -> None:
