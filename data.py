@@ -16,6 +16,7 @@ Run `python data.py` to print a few problems of each level.
 from __future__ import annotations
 
 import json
+import logging
 import os
 import random
 import socket
@@ -30,6 +31,9 @@ GSM8K = "gsm8k"
 ARITH_TEST_SEED = 1_000_003  # held-out problems come from their own stream
 NAMES = ["Ava", "Ben", "Chloe", "Dan", "Emma", "Finn", "Grace", "Hugo", "Isla", "Jack", "Lena", "Omar"]
 ITEMS = ["apples", "books", "coins", "marbles", "pencils", "stickers", "cards", "shells"]
+
+
+log = logging.getLogger("pods")
 
 
 class DataError(ValueError):
@@ -92,16 +96,21 @@ def _example(row: dict) -> Example | None:
 def read_jsonl(path: Path) -> list[Example]:
     if not path.is_file():
         raise DataError(f"dataset file {path} does not exist; pass a .jsonl path, '{GSM8K}' or '{ARITH}'")
-    examples = []
+    examples, unusable = [], []
     with open(path) as f:
-        for line in f:
+        for number, line in enumerate(f, start=1):
             try:
                 row = json.loads(line)
             except json.JSONDecodeError:
-                continue
+                row = None
             example = _example(row) if isinstance(row, dict) else None
             if example is not None:
                 examples.append(example)
+            elif line.strip():
+                unusable.append(number)
+    if unusable:  # skipped, and said: a silently shorter dataset would be a different experiment
+        log.warning("%s: skipped %d unusable line(s) (not JSON with 'question' and a numeric 'answer'), first at line %d",
+                    path, len(unusable), unusable[0])
     if not examples:
         raise DataError(f"{path} has no usable rows: each line must be JSON with 'question' and 'answer' (a number or '... #### N')")
     return examples

@@ -574,6 +574,9 @@ def main(argv: list[str] | None = None) -> int:
     except (EvalError, data.DataError, sampling.SetupError) as err:
         print(f"error: {err}", file=sys.stderr)
         return 2
+    except KeyboardInterrupt:
+        print("interrupted: the results of every checkpoint evaluated so far are saved; run again to continue", file=sys.stderr)
+        return 130
     return 0
 
 

@@ -2066,3 +2066,135 @@ def test_a_disk_that_fills_during_a_checkpoint_leaves_the_previous_one_loadable(
     monkeypatch.setattr(train.torch, "save", original)
     assert train.main(tiny_args(tiny_model_dir, out, "--steps", "3", "--resume")) == 0
     assert [r["step"] for r in read_metrics(out)] == [1, 2, 3]
+
+
+def test_an_incomplete_checkpoint_directory_is_left_out_and_resume_takes_the_last_complete_one(tiny_model_dir, tmp_path, monkeypatch, caplog):
+    monkeypatch.setattr(train.rewards, "reward", length_reward)
+    out = tmp_path / "run"
+    assert train.main(tiny_args(tiny_model_dir, out, "--steps", "2", "--save-every-steps", "1")) == 0
+    (out / "checkpoint-2" / "training_state.pt").unlink()  # damaged, or copied in part
+    with caplog.at_level(logging.INFO, logger="pods"):
+        assert [p.name for p in train.checkpoints(out)] == ["checkpoint-1"]
+        assert train.main(tiny_args(tiny_model_dir, out, "--steps", "2", "--resume")) == 0
+    assert "checkpoint-2 is incomplete (it lacks training_state.pt): not used" in caplog.text
+    assert f"resumed from {out / 'checkpoint-1'}: step 1" in caplog.text
+    assert [r["step"] for r in read_metrics(out)] == [1, 2] and [p.name for p in train.checkpoints(out)] == ["checkpoint-1", "checkpoint-2"]
+
+
+def test_a_malformed_line_in_a_jsonl_dataset_is_skipped_and_reported(tmp_path, caplog):
+    path = tmp_path / "train.jsonl"
+    path.write_text('{"question": "1+1?", "answer": "2"}\n{"question": "2+2?", "answ\n\n{"question": "3+3?", "answer": 6}\n')
+    with caplog.at_level(logging.INFO, logger="pods"):
+        examples = data.load_examples(str(path), "train")
+    assert [e.answer for e in examples] == ["2", "6"]
+    assert "skipped 1 unusable line(s)" in caplog.text and "first at line 2" in caplog.text
+
+
+def test_a_second_ctrl_c_quits_without_saving(tiny_model_dir, tmp_path, monkeypatch, capsys):
+    monkeypatch.setattr(train.rewards, "reward", length_reward)
+    original = train.policy_update
+
+    def twice(*args, **kwargs):
+        os.kill(os.getpid(), signal.SIGINT)
+        os.kill(os.getpid(), signal.SIGINT)
+        return original(*args, **kwargs)
+
+    monkeypatch.setattr(train, "policy_update", twice)
+    out = tmp_path / "run"
+    assert train.main(tiny_args(tiny_model_dir, out, "--steps", "5")) == 130
+    assert train.checkpoints(out) == [] and not (out / "metrics.jsonl").read_text()
+    assert capsys.readouterr().err.strip().splitlines()[-1].startswith("interrupted:")
+
+
+def test_ctrl_c_before_step_1_finishes_saves_checkpoint_0_which_resumes(tiny_model_dir, tmp_path, monkeypatch):
+    """The engine dies in step 1's generation after a Ctrl-C: nothing was trained, and the saved state
+    is the start (so a resume repeats step 1 with the same prompts)."""
+    monkeypatch.setattr(train.rewards, "reward", length_reward)
+
+    def engine_dies(*args):
+        os.kill(os.getpid(), signal.SIGINT)
+        raise RuntimeError("EngineCore encountered an issue")
+
+    monkeypatch.setattr(train, "generate_and_score", engine_dies)
+    out = tmp_path / "run"
+    assert train.main(tiny_args(tiny_model_dir, out, "--steps", "2")) == 130
+    assert [p.name for p in train.checkpoints(out)] == ["checkpoint-0"]
+    assert json.loads((out / "checkpoint-0" / "trainer_state.json").read_text())["data_position"] == 0
+    monkeypatch.undo()
+    monkeypatch.setattr(train.rewards, "reward", length_reward)
+    assert train.main(tiny_args(tiny_model_dir, out, "--steps", "2", "--resume")) == 0
+    assert [r["step"] for r in read_metrics(out)] == [1, 2]
+
+
+def test_ctrl_c_during_a_save_lets_the_save_finish_then_stops(tiny_model_dir, tmp_path, monkeypatch):
+    monkeypatch.setattr(train.rewards, "reward", length_reward)
+    original = train.save_checkpoint
+
+    def interrupted_save(*args, **kwargs):
+        os.kill(os.getpid(), signal.SIGINT)
+        return original(*args, **kwargs)
+
+    monkeypatch.setattr(train, "save_checkpoint", interrupted_save)
+    out = tmp_path / "run"
+    assert train.main(tiny_args(tiny_model_dir, out, "--steps", "5", "--save-every-steps", "1")) == 130
+    assert [p.name for p in train.checkpoints(out)] == ["checkpoint-1"] and [r["step"] for r in read_metrics(out)] == [1]
+
+
+def test_out_of_memory_in_the_update_ends_with_one_line_and_the_last_checkpoint_resumes(tiny_model_dir, tmp_path, monkeypatch, capsys):
+    monkeypatch.setattr(train.rewards, "reward", length_reward)
+    original, calls = train.policy_update, []
+
+    def oom_in_step_2(*args, **kwargs):
+        calls.append(1)
+        if len(calls) == 2:
+            raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB")
+        return original(*args, **kwargs)
+
+    monkeypatch.setattr(train, "policy_update", oom_in_step_2)
+    out = tmp_path / "run"
+    assert train.main(tiny_args(tiny_model_dir, out, "--steps", "3", "--save-every-steps", "1")) == 1
+    err = capsys.readouterr().err.strip().splitlines()[-1]
+    assert err.startswith("error: out of memory; lower --micro-batch") and str(out) in err
+    assert [p.name for p in train.checkpoints(out)] == ["checkpoint-1"]
+    monkeypatch.setattr(train, "policy_update", original)
+    assert train.main(tiny_args(tiny_model_dir, out, "--steps", "3", "--resume")) == 0
+    assert [r["step"] for r in read_metrics(out)] == [1, 2, 3]
+
+
+def test_eval_interrupted_keeps_the_checkpoints_it_finished(tiny_run, tmp_path, monkeypatch, capsys):
+    original, calls = evaluation.evaluate_target, []
+
+    def interrupted(*args, **kwargs):
+        calls.append(1)
+        if len(calls) == 2:
+            raise KeyboardInterrupt
+        return original(*args, **kwargs)
+
+    monkeypatch.setattr(evaluation, "evaluate_target", interrupted)
+    out = tmp_path / "eval.json"
+    argv = [str(tiny_run), "--dataset", "arith", "--limit", "2", "--repeats", "1", "--max-new-tokens", "3", "--out", str(out), "--force"]
+    assert evaluation.main(argv) == 130
+    assert capsys.readouterr().err.strip().splitlines()[-1].startswith("interrupted: the results of every checkpoint evaluated so far are saved")
+    assert [r["checkpoint"] for r in json.loads(out.read_text())["results"]] == ["base"]
+
+
+def test_kill_9_of_a_single_process_then_resume_continues_with_each_step_once(tiny_model_dir, tmp_path):
+    out = tmp_path / "run"
+    script = length_reward_script(tmp_path)
+    run = subprocess.Popen([sys.executable, script, *tiny_args(tiny_model_dir, out, "--steps", "100000", "--save-every-steps", "2")],
+                           cwd=Path(__file__).parent, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    try:
+        deadline = time.time() + 120
+        metrics = out / "metrics.jsonl"
+        while not (train.checkpoints(out) and metrics.read_text().count("\n") >= 3):  # checkpoint-2 and a row after it
+            assert time.time() < deadline and run.poll() is None, "no checkpoint"
+            time.sleep(0.1)
+        run.send_signal(signal.SIGKILL)
+        run.wait(timeout=30)
+    finally:
+        run.kill()
+    last = int(train.checkpoints(out)[-1].name.split("-")[1])
+    done = subprocess.run([sys.executable, script, *tiny_args(tiny_model_dir, out, "--steps", str(last + 2), "--resume")],
+                          cwd=Path(__file__).parent, capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert [r["step"] for r in read_metrics(out)] == list(range(1, last + 3))

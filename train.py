@@ -486,9 +486,17 @@ def policy_update(model, optimizer, scheduler, kept: list[sampling.Rollout], adv
 # ----------------------------------------------------------------------------- checkpoints
 
 
+CHECKPOINT_FILES = ("adapter_model.safetensors", "training_state.pt", "trainer_state.json")
+
+
 def checkpoints(out_dir: Path) -> list[Path]:
+    """The complete checkpoint-STEP directories, oldest first. save_checkpoint renames a checkpoint into
+    place only when whole; a directory missing one of its files (copied in part, or damaged) is left out."""
     found = [p for p in out_dir.glob("checkpoint-*") if p.is_dir() and p.name.split("-")[-1].isdigit()]
-    return sorted(found, key=lambda p: int(p.name.split("-")[-1]))
+    complete = [p for p in found if all((p / name).is_file() for name in CHECKPOINT_FILES)]
+    for p in sorted(set(found) - set(complete)):
+        log.warning("%s is incomplete (it lacks %s): not used", p, ", ".join(n for n in CHECKPOINT_FILES if not (p / n).is_file()))
+    return sorted(complete, key=lambda p: int(p.name.split("-")[-1]))
 
 
 def random_state(rng: np.random.Generator) -> dict:
@@ -987,6 +995,11 @@ def main(argv: list[str] | None = None) -> int:
     except TrainingError as err:
         if world.is_main:
             print(f"error: {err}", file=sys.stderr)
+        return 1
+    except torch.OutOfMemoryError:
+        if world.is_main:
+            print(f"error: out of memory; lower --micro-batch (or --n, --prompts-per-step, --max-new-tokens) or pass "
+                  f"--gradient-checkpointing, then --resume from the last checkpoint in {args.out_dir}", file=sys.stderr)
         return 1
     except KeyboardInterrupt:
         if world.is_main:
