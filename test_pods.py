@@ -1835,22 +1835,25 @@ def add_seconds_to_each_step(monkeypatch, seconds: float) -> None:
     monkeypatch.setattr(train.distributed, "reduce_row", slow)
 
 
-def test_a_time_budget_overshot_by_the_last_step_still_saves_and_a_resume_past_it_ends_cleanly(tiny_model_dir, tmp_path, monkeypatch, caplog):
-    """--time-budget 0.1 (6 s) and a first step that takes 40 s more: the bar's count passes its total
-    by more than half a minute (tqdm once dropped the total then, and the bar's format crashed the run
-    before the checkpoint). The run must stop after that step with its checkpoint; a resume with the
-    same budget must start, see the budget spent and end without a new step."""
+@pytest.mark.parametrize("extra_s, steps", [(40.0, 1), (3.0, 2)])  # far past the budget, and just past it
+def test_a_time_budget_overshot_by_the_last_step_still_saves_and_a_resume_past_it_ends_cleanly(tiny_model_dir, tmp_path, monkeypatch, caplog,
+                                                                                              extra_s, steps):
+    """--time-budget 0.1 (6 s) and steps that take `extra_s` more. At 40 s the bar's count passes its
+    total by more than half a minute (tqdm once dropped the total then, and the bar's format crashed
+    the run before the checkpoint). The run must stop after the step that spends the budget, with its
+    checkpoint; a resume with the same budget must start, see the budget spent and end without a new step."""
     monkeypatch.setattr(train.rewards, "reward", length_reward)
-    add_seconds_to_each_step(monkeypatch, 40.0)
+    add_seconds_to_each_step(monkeypatch, extra_s)
     out = tmp_path / "run"
     with caplog.at_level(logging.INFO, logger="pods"):
         assert train.main(tiny_args(tiny_model_dir, out, "--steps", "5", "--time-budget", "0.1")) == 0
-    assert [r["step"] for r in read_metrics(out)] == [1] and read_metrics(out)[0]["elapsed_s"] >= 40
-    assert [p.name for p in train.checkpoints(out)] == ["checkpoint-1"]
+    rows = read_metrics(out)
+    assert [r["step"] for r in rows] == list(range(1, steps + 1)) and rows[-1]["elapsed_s"] >= 6
+    assert [p.name for p in train.checkpoints(out)] == [f"checkpoint-{steps}"]
     assert "time budget of 0.1 min reached" in caplog.text and "progress bar failed" not in caplog.text
     assert train.main(tiny_args(tiny_model_dir, out, "--steps", "5", "--time-budget", "0.1", "--resume")) == 0
-    assert [r["step"] for r in read_metrics(out)] == [1]
-    assert [p.name for p in train.checkpoints(out)] == ["checkpoint-1"]
+    assert [r["step"] for r in read_metrics(out)] == list(range(1, steps + 1))
+    assert [p.name for p in train.checkpoints(out)] == [f"checkpoint-{steps}"]
 
 
 def test_a_failing_progress_bar_or_metrics_write_does_not_cost_the_checkpoint(tiny_model_dir, tmp_path, monkeypatch, caplog):
