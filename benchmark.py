@@ -1,0 +1,149 @@
+"""Time one training step's phases, GRPO against PODS, with and without prompt sharing.
+
+A measuring tool beside train.py, not part of training: it builds the same model, sampler and update
+as `train.py` (same flags), draws --prompts-per-step prompts, generates their n rollouts, and runs
+the update on the m kept for m = n, n/2 and n/4 (m >= 2), printing a table of seconds per phase,
+the update's peak memory and each step's cost relative to GRPO's.
+
+Usage:
+    python benchmark.py --dataset arith --n 8 --prompts-per-step 4
+    python train.py --benchmark ...                       # the same
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import sys
+import time
+
+import numpy as np
+import torch
+
+import data
+import grpo
+import sampling
+import train
+
+
+def peak_memory_mb(fn):
+    """(fn's result, the peak memory it added in MiB): CUDA's allocator peak on a GPU; on a CPU the
+    process's resident memory, sampled every 5 ms in a thread, above its level at the start (memory
+    that earlier work freed is first handed back with glibc's malloc_trim, so it is not reused
+    unseen). Without /proc (macOS) it is the growth of the process's peak resident memory, which
+    reads 0 when earlier work peaked higher."""
+    import ctypes
+    import resource
+    import threading
+
+    if torch.cuda.is_available():
+        torch.cuda.synchronize()
+        torch.cuda.reset_peak_memory_stats()
+        before = torch.cuda.memory_allocated()
+        result = fn()
+        torch.cuda.synchronize()
+        return result, (torch.cuda.max_memory_allocated() - before) / 2**20
+
+    def rss() -> int:
+        if os.path.exists("/proc/self/statm"):  # Linux: the resident memory now
+            with open("/proc/self/statm") as f:
+                return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+        peak_rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss  # elsewhere (macOS: bytes): the peak so far
+        return peak_rss if sys.platform == "darwin" else peak_rss * 1024
+
+    try:
+        ctypes.CDLL("libc.so.6").malloc_trim(0)
+    except (OSError, AttributeError):  # not glibc (macOS, musl): freed memory may be reused unseen
+        pass
+    before, peak, done = rss(), [0], threading.Event()
+
+    def watch():
+        while not done.wait(0.005):
+            peak[0] = max(peak[0], rss())
+
+    watcher = threading.Thread(target=watch, daemon=True)
+    watcher.start()
+    try:
+        result = fn()
+    finally:
+        done.set()
+        watcher.join()
+    return result, max(0, max(peak[0], rss()) - before) / 2**20
+
+
+def benchmark(args: train.Args, repeats: int = 2) -> list[dict]:
+    """Time one step's phases for GRPO (m = n) and PODS (m = n/2, n/4), each with the prompt computed
+    once per rollout and once per group (--no-share-prompt / --share-prompt), on the same rollouts.
+
+    Each repeat draws --prompts-per-step prompts and generates their n rollouts twice from the same
+    seed, without and with the shared prefill (the same tokens come out, so the work is the same),
+    then runs the update on the m kept by --rule for each m, without and with prompt sharing,
+    measuring its peak memory too. Prints the means and the ratios to GRPO's step. m below 2 is left
+    out (advantages need two kept rollouts). With vLLM, generation runs once per repeat: vLLM always
+    shares prompts (prefix caching) and its noise is not torch's, so the per-row column is for the
+    transformers backend only.
+    """
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    args = train.resolve(dataclasses.replace(args, m=args.n, rule=args.rule if args.rule != "none" else "max_variance"), device)
+    torch.manual_seed(args.seed)
+    rng = np.random.default_rng(args.seed)
+    model, tokenizer, model_name = train.load_trainable_policy(args, train.pick_model(args, device), device)
+    stream = train.PromptStream(train.tokenize_examples(data.load_examples(args.dataset, "train", seed=args.seed), tokenizer, args.max_prompt_tokens), args.seed)
+    optimizer = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=args.lr)
+    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: 1.0)
+    sampler = train.make_sampler(args, model, tokenizer, model_name, device)
+    sampler.generate([stream.next_batch(1)[0][0]], 2)  # warm-up: first calls pay one-off costs
+    ms = sorted({m for m in (args.n, args.n // 2, args.n // 4) if m >= 2}, reverse=True)
+    shares = (False, True)
+    vllm = isinstance(sampler, sampling.VLLMSampler)
+    generation_shares = (True,) if vllm else shares  # vLLM: generation once, always shared
+    gen_s = {share: [] for share in shares}
+    upd_s = {(m, share): [] for m in ms for share in shares}
+    mem_mb = {(m, share): [] for m in ms for share in shares}
+    tokens = []
+    for repeat in range(repeats):
+        batch = stream.next_batch(args.prompts_per_step)
+        for share in generation_shares:
+            sampler.share_prompt = share
+            torch.manual_seed(args.seed + repeat)
+            start = time.perf_counter()
+            rollouts, scores, _, _ = train.generate_and_score(sampler, batch, args.n)
+            gen_s[share].append(time.perf_counter() - start)
+        tokens.append(sum(len(r.completion_ids) for r in rollouts))
+        for m in ms:
+            run = dataclasses.replace(args, m=m, rule="none" if m == args.n else args.rule)
+            kept_idx = train.select(scores, run, rng)
+            advantages = grpo.group_advantages(scores[kept_idx].view(-1, m)).flatten()
+            for share in shares:
+                start = time.perf_counter()
+                _, peak = peak_memory_mb(lambda: train.policy_update(model, optimizer, scheduler, [rollouts[i] for i in kept_idx],
+                                                               advantages, dataclasses.replace(run, share_prompt=share), tokenizer.pad_token_id))
+                upd_s[m, share].append(time.perf_counter() - start)
+                mem_mb[m, share].append(peak)
+    rows = []
+    for m in ms:
+        for share in shares:
+            generation, update = float(np.mean(gen_s[share] or gen_s[True])), float(np.mean(upd_s[m, share]))
+            rows.append({"n": args.n, "m": m, "share_prompt": share, "generation_s": generation, "update_s": update,
+                         "step_s": generation + update, "update_peak_mb": float(np.max(mem_mb[m, share]))})
+    print(f"\n{model_name}, {args.prompts_per_step} prompts x n={args.n}, {args.max_new_tokens} new tokens, "
+          f"micro-batch {args.micro_batch}, {device}, mean of {repeats}"
+          + ("; vLLM generates once (it always shares prompts): the prompt column is the update's" if vllm else ""))
+    print(f"{'method':<18}{'prompt':>10}{'generation s':>14}{'update s':>10}{'step s':>8}{'update peak MiB':>17}{'step/GRPO':>11}")
+    grpo_step = rows[0]["step_s"]  # GRPO with the prompt per rollout: the reference
+    for row in rows:
+        name = f"GRPO n={row['n']}" if row["m"] == args.n else f"PODS n={row['n']} m={row['m']}"
+        print(f"{name:<18}{'shared' if row['share_prompt'] else 'per row':>10}{row['generation_s']:>14.1f}{row['update_s']:>10.1f}"
+              f"{row['step_s']:>8.1f}{row['update_peak_mb']:>17.0f}{row['step_s'] / grpo_step:>11.2f}")
+    print(f"completion tokens per step: {np.mean(tokens):.0f}; GRPO step time per completion token: "
+          f"{1000 * grpo_step / float(np.mean(tokens)):.1f} ms with the prompt per rollout, "
+          f"{1000 * rows[1]['step_s'] / float(np.mean(tokens)):.1f} ms shared")
+    return rows
+
+
+def main(argv: list[str] | None = None) -> int:
+    return train.main([*(sys.argv[1:] if argv is None else argv), "--benchmark"])
+
+
+if __name__ == "__main__":
+    sys.exit(main())
