@@ -10,6 +10,7 @@ to the baseline's peak itself).
     python eval.py runs/pods/checkpoint-50 --dataset gsm8k      # one checkpoint
     python eval.py embedded --dataset arith                     # a base model
     python eval.py --plot runs/grpo-s0 runs/grpo-s1 runs/pods-s0 runs/pods-s1 --out fig.png
+    python eval.py --plot-train runs/pods runs/grpo                # training curves from metrics.jsonl, at once
 
 The defaults are the authors' GSM8K protocol (evaluate-run.py, config/test.yaml): the whole test
 set, one sampled answer per question at temperature 0.9 with 512 new tokens, repeated 5 times
@@ -428,6 +429,49 @@ def step_costs(run_dirs: list[Path]) -> list[str]:
     return lines if len(lines) > 1 else []
 
 
+TRAINING_PANELS = (("reward_mean", "reward (all n)"), ("accuracy", "train accuracy (all n)"),
+                   ("kept_accuracy", "train accuracy (kept m)"), ("completion_len", "completion tokens"),
+                   ("step_s", "seconds per step"))
+
+
+def plot_training(run_dirs: list[Path], out: Path, smooth: int = 5) -> str:
+    """Training curves from metrics.jsonl alone, no evaluation needed: one panel per metric of
+    TRAINING_PANELS over training minutes, one line per run (the mean of the last `smooth` steps, the
+    raw values faint behind it). Returns a one-line summary per run."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, axes = plt.subplots(1, len(TRAINING_PANELS), figsize=(4 * len(TRAINING_PANELS), 3.4))
+    lines = [f"{'run':<36}{'steps':>7}{'minutes':>9}{'s/step':>8}{'accuracy, first -> last 10%':>30}"]
+    for run in run_dirs:
+        path = run / "metrics.jsonl"
+        rows = [r for r in (train.parse_row(line) for line in path.read_text().splitlines()) if r] if path.exists() else []
+        if not rows:
+            raise EvalError(f"{run} has no metrics.jsonl rows: pass a run's --out-dir")
+        minutes = np.array([r["elapsed_s"] for r in rows]) / 60
+        label = run.name
+        for ax, (key, title) in zip(axes, TRAINING_PANELS):
+            values = np.array([r["elapsed_s"] - prev["elapsed_s"] if key == "step_s" else r.get(key, np.nan)
+                               for prev, r in zip([{"elapsed_s": 0.0}] + rows[:-1], rows)], dtype=float)
+            trailing = [np.nanmean(values[max(0, i - smooth + 1) : i + 1]) for i in range(len(values))]
+            line, = ax.plot(minutes, trailing, label=label, linewidth=1.5)
+            ax.plot(minutes, values, color=line.get_color(), alpha=0.25, linewidth=0.8)
+            ax.set_title(title, fontsize=10)
+            ax.set_xlabel("training minutes")
+            ax.grid(alpha=0.3)
+        tenth = max(1, len(rows) // 10)
+        first, last = (float(np.mean([r["accuracy"] for r in part])) for part in (rows[:tenth], rows[-tenth:]))
+        lines.append(f"{label:<36}{len(rows):>7}{minutes[-1]:>9.1f}{60 * minutes[-1] / len(rows):>8.1f}{f'{first:.3f} -> {last:.3f}':>30}")
+    axes[0].legend(fontsize=8)
+    fig.tight_layout()
+    out.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(out, dpi=110)
+    plt.close(fig)
+    return "\n".join(lines)
+
+
 def plot(run_dirs: list[Path], out: Path, dataset: str | None, baseline: str | None, frac: float = TARGET_FRAC) -> str:
     import matplotlib
 
@@ -520,6 +564,9 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("path", nargs="?", help="a run's --out-dir, one checkpoint directory, or a base model (name, path, 'embedded')")
     parser.add_argument("--plot", nargs="+", metavar="RUN_DIR", help="plot test accuracy over training time for these runs")
+    parser.add_argument("--plot-train", nargs="+", metavar="RUN_DIR",
+                        help="plot training curves (reward, train accuracy, completion length, seconds per step) from "
+                             "metrics.jsonl alone, no evaluation needed [figure: training_curves.png]")
     parser.add_argument("--dataset", default=None,
                         help="'gsm8k' (test split), 'arith' (held-out split) or a .jsonl path [the run's, else arith]")
     parser.add_argument("--limit", default=None, metavar="N|all",
@@ -544,6 +591,11 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--force", action="store_true", help="re-evaluate checkpoints already in the results file")
     args = parser.parse_args(argv)
     try:
+        if args.plot_train:
+            out = Path(args.out or "training_curves.png")
+            print(plot_training([Path(p) for p in args.plot_train], out))
+            print(f"figure: {out}")
+            return 0
         if args.plot:
             if not 0 < args.target_frac <= 1:
                 raise EvalError(f"--target-frac {args.target_frac} must be in (0, 1]: a share of the baseline's peak accuracy")

@@ -2202,3 +2202,15 @@ def test_kill_9_of_a_single_process_then_resume_continues_with_each_step_once(ti
                           cwd=Path(__file__).parent, capture_output=True, text=True, timeout=120)
     assert done.returncode == 0, done.stderr[-2000:]
     assert [r["step"] for r in read_metrics(out)] == list(range(1, last + 3))
+
+
+def test_plot_train_draws_a_runs_training_curves_from_its_metrics_alone(tiny_run, tmp_path, capsys):
+    png = tmp_path / "curves.png"
+    assert evaluation.main(["--plot-train", str(tiny_run), "--out", str(png)]) == 0
+    assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and png.stat().st_size > 5000
+    rows = read_metrics(tiny_run)
+    summary = capsys.readouterr().out.splitlines()
+    assert summary[1].split()[:2] == [tiny_run.name, "2"]
+    assert summary[1].split()[-3:] == [f"{rows[0]['accuracy']:.3f}", "->", f"{rows[-1]['accuracy']:.3f}"]
+    assert evaluation.main(["--plot-train", str(tmp_path / "nothing"), "--out", str(png)]) == 2
+    assert "has no metrics.jsonl rows" in capsys.readouterr().err
