@@ -801,7 +801,7 @@ import distributed  # noqa: E402
 
 
 def torchrun(nproc: int, *train_argv: str, script: str = "train.py", wait: bool = True):
-    """The README's command form: torchrun --standalone --nproc_per_node N train.py -- ARGS."""
+    """The command form of docs/multi-gpu.md: torchrun --standalone --nproc_per_node N train.py -- ARGS."""
     command = [str(Path(sys.executable).with_name("torchrun")), "--standalone", "--nproc_per_node", str(nproc),
                script, "--", *train_argv]
     if not wait:
@@ -2214,3 +2214,16 @@ def test_plot_train_draws_a_runs_training_curves_from_its_metrics_alone(tiny_run
     assert summary[1].split()[-3:] == [f"{rows[0]['accuracy']:.3f}", "->", f"{rows[-1]['accuracy']:.3f}"]
     assert evaluation.main(["--plot-train", str(tmp_path / "nothing"), "--out", str(png)]) == 2
     assert "has no metrics.jsonl rows" in capsys.readouterr().err
+
+
+def test_every_relative_link_in_the_readme_and_docs_resolves():
+    import re
+
+    root = Path(__file__).parent
+    broken = []
+    for page in [root / "README.md", *sorted((root / "docs").glob("*.md"))]:
+        for target in re.findall(r"\]\(([^)\s]+)\)", page.read_text()):
+            path = target.split("#")[0]
+            if path and not re.match(r"[a-z]+:", path) and not (page.parent / path).exists():
+                broken.append(f"{page.relative_to(root)}: {target}")
+    assert broken == []

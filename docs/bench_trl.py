@@ -1,6 +1,6 @@
 """Speed benchmark of TRL's GRPOTrainer on CPU: the reference point for `train.py --benchmark`.
 
-TRL is not a dependency of this project; measure it in a venv of its own (README, "Speed"):
+TRL is not a dependency of this project; measure it in a venv of its own (docs/speed.md):
 
     python3 -m venv .venv-trl && .venv-trl/bin/pip install torch==2.13.0 "trl==1.16.*" peft transformers datasets
     .venv-trl/bin/python docs/bench_trl.py                  # 6 optimizer steps (run `python sampling.py` once first)

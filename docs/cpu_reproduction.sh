@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# CPU-scale reproduction of the paper's comparisons (README, "Measured on a CPU").
+# CPU-scale reproduction of the paper's comparisons (docs/cpu-reproduction.md).
 #
 # The embedded SmolLM2-135M-Instruct on arith:2 (one-digit sums and differences in a one-sentence
 # story; it starts at ~0.11 test accuracy and GRPO does not saturate within the budget), every run
