@@ -282,16 +282,19 @@ def adapter_hand_over_dir(adapter_bytes: int, fallback: Path) -> Path:
     `fallback` on disk (containers get a 64 MiB /dev/shm by default; the r64 adapter of a 3B model
     is ~230 MiB in bfloat16). Its name holds this process's id, so that directories left by killed
     processes (SIGKILL, an OOM kill) are found and removed at the next start."""
-    shm = Path("/dev/shm")
+    root, shm = fallback, Path("/dev/shm")
     if shm.is_dir() and os.access(shm, os.W_OK):
-        remove_stale_adapter_dirs(shm)
-        if shutil.disk_usage(shm).free >= 2.5 * adapter_bytes:
-            return Path(tempfile.mkdtemp(prefix=f"{ADAPTER_DIR_PREFIX}{os.getpid()}-", dir=shm))
-        log.info("/dev/shm has %.0f MiB free, too little for the adapter hand-over (%.0f MiB): using %s",
-                 shutil.disk_usage(shm).free / 2**20, 2.5 * adapter_bytes / 2**20, fallback)
-    fallback.mkdir(parents=True, exist_ok=True)
-    remove_stale_adapter_dirs(fallback)
-    return Path(tempfile.mkdtemp(prefix=f"{ADAPTER_DIR_PREFIX}{os.getpid()}-", dir=fallback))
+        remove_stale_adapter_dirs(shm)  # before measuring: what killed runs left counts against the room
+        free = shutil.disk_usage(shm).free
+        if free >= 2.5 * adapter_bytes:
+            root = shm
+        else:
+            log.info("/dev/shm has %.0f MiB free, too little for the adapter hand-over (%.0f MiB): using %s",
+                     free / 2**20, 2.5 * adapter_bytes / 2**20, fallback)
+    if root == fallback:
+        fallback.mkdir(parents=True, exist_ok=True)
+        remove_stale_adapter_dirs(fallback)
+    return Path(tempfile.mkdtemp(prefix=f"{ADAPTER_DIR_PREFIX}{os.getpid()}-", dir=root))
 
 
 def remove_stale_adapter_dirs(root: Path) -> None:
