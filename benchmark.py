@@ -3,7 +3,9 @@
 A measuring tool beside train.py, not part of training: it builds the same model, sampler and update
 as `train.py` (same flags), draws --prompts-per-step prompts, generates their n rollouts, and runs
 the update on the m kept for m = n, n/2 and n/4 (m >= 2), printing a table of seconds per phase,
-the update's peak memory and each step's cost relative to GRPO's.
+the update's peak memory and each step's cost relative to GRPO's. With the transformers backend it
+then times one decode step against its arithmetic (`decode_step_ms`) and prints the gap between the
+sampler's and the trainer's log-probabilities of the same rollouts.
 
 Usage:
     python benchmark.py --dataset arith --n 8 --prompts-per-step 4
@@ -97,6 +99,7 @@ def benchmark(args: train.Args, repeats: int = 2) -> list[dict]:
     shares = (False, True)
     vllm = isinstance(sampler, sampling.VLLMSampler)
     generation_shares = (True,) if vllm else shares  # vLLM: generation once, always shared
+    gaps = []  # the sampler/trainer log-prob gap of each repeat's first, on-policy update
     gen_s = {share: [] for share in shares}
     upd_s = {(m, share): [] for m in ms for share in shares}
     mem_mb = {(m, share): [] for m in ms for share in shares}
@@ -116,10 +119,13 @@ def benchmark(args: train.Args, repeats: int = 2) -> list[dict]:
             advantages = grpo.group_advantages(scores[kept_idx].view(-1, m)).flatten()
             for share in shares:
                 start = time.perf_counter()
-                _, peak = peak_memory_mb(lambda: train.policy_update(model, optimizer, scheduler, [rollouts[i] for i in kept_idx],
+                stats, peak = peak_memory_mb(lambda: train.policy_update(model, optimizer, scheduler, [rollouts[i] for i in kept_idx],
                                                                advantages, dataclasses.replace(run, share_prompt=share), tokenizer.pad_token_id))
                 upd_s[m, share].append(time.perf_counter() - start)
                 mem_mb[m, share].append(peak)
+                if m == args.n and not share and "sampler_gap_mean" in stats:
+                    gaps.append((stats["sampler_gap_mean"], stats["sampler_gap_max"]))
+        sampler.update_weights(model)  # the next repeat samples the trained policy, as in training
     rows = []
     for m in ms:
         for share in shares:
@@ -138,7 +144,58 @@ def benchmark(args: train.Args, repeats: int = 2) -> list[dict]:
     print(f"completion tokens per step: {np.mean(tokens):.0f}; GRPO step time per completion token: "
           f"{1000 * grpo_step / float(np.mean(tokens)):.1f} ms with the prompt per rollout, "
           f"{1000 * rows[1]['step_s'] / float(np.mean(tokens)):.1f} ms shared")
+    if gaps:
+        print(f"sampler/trainer |log p| gap per completion token: mean {np.mean([g[0] for g in gaps]):.4f}, "
+              f"max {np.max([g[1] for g in gaps]):.4f} (each repeat's on-policy update; the first with a fresh LoRA)")
+    if not vllm:
+        rows_per_step = 32
+        tuned = decode_step_ms(sampler, batch[0][0], rows_per_step)
+        plain = decode_step_ms(train.make_sampler(dataclasses.replace(args, merged_sampler=False), model, tokenizer, model_name, device),
+                               batch[0][0], rows_per_step)
+        params = sum(p.numel() for p in sampler.model.parameters())
+        floor = matmuls_ms(sampler.model, rows_per_step)
+        print(f"decode step at {rows_per_step} rows ({len(batch[0][0])}-token prompt): {tuned:.0f} ms with the training sampler"
+              f"{' (merged bfloat16 copy)' if sampler.merged else ''}, {plain:.0f} ms sampling the trained model itself; "
+              f"its arithmetic ({2 * params * rows_per_step / 1e9:.1f} GFLOP): the same matrix products alone take "
+              f"{floor:.0f} ms, so the step is {tuned / floor:.1f}x its arithmetic")
     return rows
+
+
+def decode_step_ms(sampler, prompt: list[int], rows: int, steps: int = 32, repeats: int = 3) -> float:
+    """Milliseconds per decode step of a transformers sampler at `rows` rows of one prompt: the time
+    to generate steps + 1 tokens minus the time to generate 1 (prefill and first sample), over
+    `steps`, with no stop token, so every row decodes every step. The best of `repeats`."""
+    stops, limit = sampler.stops, sampler.max_new_tokens
+    sampler.stops = set()
+    try:
+        best = float("inf")
+        for _ in range(repeats):
+            times = []
+            for tokens in (1, steps + 1):
+                sampler.max_new_tokens = tokens
+                start = time.perf_counter()
+                sampler.generate([prompt], rows)
+                times.append(time.perf_counter() - start)
+            best = min(best, (times[1] - times[0]) / steps * 1000)
+        return best
+    finally:
+        sampler.stops, sampler.max_new_tokens = stops, limit
+
+
+def matmuls_ms(model, rows: int, repeats: int = 3) -> float:
+    """Milliseconds for the matrix products of one decode step alone: `rows` rows through every linear
+    layer of `model` (the LM head included), in the layer's dtype, with nothing else. The floor a
+    decode step would reach with no overhead at all. The best of `repeats`."""
+    weights = [m.weight for m in model.modules() if isinstance(m, torch.nn.Linear)]
+    inputs = [torch.randn(rows, w.shape[1], dtype=w.dtype, device=w.device) for w in weights]
+    best = float("inf")
+    with torch.inference_mode():
+        for _ in range(repeats):
+            start = time.perf_counter()
+            for x, w in zip(inputs, weights):
+                torch.nn.functional.linear(x, w)
+            best = min(best, time.perf_counter() - start)
+    return best * 1000
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -224,8 +224,9 @@ def evaluate(path: str, settings: Settings, out: str | None, force: bool, backen
     if use_vllm:
         sampler = make_vllm_sampler(base, tokenizer, prompts, adapters, settings, options)
     else:
-        sampler = sampling.HFSampler(model, tokenizer, settings.max_new_tokens, settings.temperature, autocast_bf16=device == "cpu")
-    log.info("generation backend: %s, %d questions", "vLLM" if use_vllm else "transformers generate", len(prompts))
+        sampler = sampling.HFSampler(model, tokenizer, settings.max_new_tokens, settings.temperature, autocast_bf16=device == "cpu",
+                                     merged=True)  # as train.py generates: a bfloat16 copy, the adapter merged in
+    log.info("generation backend: %s, %d questions", "vLLM" if use_vllm else "transformers (a bfloat16 copy, adapter merged)", len(prompts))
     try:
         evaluate_targets(todo, model, sampler, adapters, prompts, examples, settings, use_vllm and device == "cuda",
                          base, out_path, done, cache)
@@ -245,6 +246,8 @@ def evaluate_targets(todo: list[Target], model, sampler, adapters: list[Path], p
         load_target(model, sampler, target)
         adapter_off = model is not None and bool(adapters) and target.adapter is None  # transformers, base model
         with model.disable_adapter() if adapter_off else contextlib.nullcontext():
+            if model is not None:
+                sampler.update_weights(model)  # transformers: the sampler's merged copy takes these weights
             result = evaluate_target(sampler, target, prompts, examples, settings, request_seeds)
         result["model"] = base  # what is_result_of matches on
         done.append(result)
@@ -409,7 +412,7 @@ def across_seeds(runs: list[tuple[list[float], list[float]]], times: list[float]
 def accuracy_by_minute(groups: dict[str, list[tuple[list[float], list[float]]]]) -> list[str]:
     """Each setting's accuracy at every whole minute that all its runs reached (each run's curve
     interpolated there, then the mean and standard error over its seeds), and the peak of the mean curve."""
-    minutes = range(0, int(min(t[-1] for runs in groups.values() for t, _ in runs) // 60) + 1)
+    minutes = range(int(min(t[-1] for runs in groups.values() for t, _ in runs) // 60) + 1)
     lines = [f"{'run':<36}{'seeds':>6}" + "".join(f"{f'{k} min':>16}" for k in minutes) + f"{'peak':>8}"]
     for label, runs in groups.items():
         cells = [f"{mean:.3f} +- {se:.3f}" for mean, se in zip(*across_seeds(runs, [60 * k for k in minutes]))]

