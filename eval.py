@@ -340,6 +340,79 @@ def speedups(curves: dict[str, tuple[list[float], list[float]]], baseline: str,
     return peak, t_base, {label: time_to_reach(t, a, target) for label, (t, a) in curves.items() if label != baseline}
 
 
+# ----------------------------------------------------------------------------- statistics over seeds
+
+
+def speedup_of_means(base_runs: list[tuple[list[float], list[float]]], other_runs: list[tuple[list[float], list[float]]],
+                     frac: float = TARGET_FRAC) -> float:
+    """The authors' speed-up on seed-mean curves (mean_curve): the time at which the baseline's mean
+    curve first reaches frac x its own peak, over the time the other's first does. 0.0 when the other
+    never reaches it (within its evaluated time: slower than any finite speed-up); inf when it starts there."""
+    base_t, base_acc, _ = mean_curve(base_runs)
+    other_t, other_acc, _ = mean_curve(other_runs)
+    target = frac * max(base_acc)
+    t_base, t_other = time_to_reach(base_t, base_acc, target), time_to_reach(other_t, other_acc, target)
+    if t_other is None:
+        return 0.0
+    return math.inf if t_other == 0 else t_base / t_other
+
+
+def bootstrap_speedup(base_runs: list[tuple[list[float], list[float]]], other_runs: list[tuple[list[float], list[float]]],
+                      frac: float = TARGET_FRAC, resamples: int = 2000, level: float = 0.95, seed: int = 0) -> dict:
+    """speedup_of_means with a percentile bootstrap interval over seeds.
+
+    Each resample draws, within each method and with replacement, as many runs as the method has,
+    and recomputes the speed-up on the resampled mean curves: the baseline's peak, and so the
+    target, move with its resample. A resample in which the other method's mean curve never reaches
+    the target counts as a speed-up of 0, so an interval whose low end is 0 reads "it may not reach
+    GRPO's level at all"; `never` is the share of such resamples. Unpaired (methods are resampled
+    independently): the time to a target is a property of a method's mean curve, not of one seed."""
+    rng = np.random.default_rng(seed)
+    draws = np.array([speedup_of_means([base_runs[i] for i in rng.integers(len(base_runs), size=len(base_runs))],
+                                       [other_runs[i] for i in rng.integers(len(other_runs), size=len(other_runs))], frac)
+                      for _ in range(resamples)])
+    low, high = np.quantile(draws, [(1 - level) / 2, (1 + level) / 2])
+    return {"speedup": speedup_of_means(base_runs, other_runs, frac), "low": float(low), "high": float(high),
+            "never": float(np.mean(draws == 0)), "level": level, "resamples": resamples}
+
+
+def paired_differences(base_runs: list[tuple[list[float], list[float]]], other_runs: list[tuple[list[float], list[float]]],
+                       times: list[float], resamples: int = 2000, level: float = 0.95, seed: int = 0) -> list[tuple[float, float, float]]:
+    """The mean over seeds of (other - baseline) test accuracy at each of `times`, each run's curve
+    interpolated there, with a percentile bootstrap interval that resamples seeds (pairs). The i-th
+    runs of the two lists must be the same seed (group_curves orders them so). [(mean, low, high)] per time."""
+    if len(base_runs) != len(other_runs):
+        raise EvalError(f"paired differences need the same seeds in both settings ({len(base_runs)} against {len(other_runs)} runs)")
+    difference = (np.array([np.interp(times, t, a) for t, a in other_runs])
+                  - np.array([np.interp(times, t, a) for t, a in base_runs]))  # [seeds, times]
+    rng = np.random.default_rng(seed)
+    means = difference[rng.integers(len(difference), size=(resamples, len(difference)))].mean(axis=1)  # [resamples, times]
+    low, high = np.quantile(means, [(1 - level) / 2, (1 + level) / 2], axis=0)
+    return [(float(m), float(lo), float(hi)) for m, lo, hi in zip(difference.mean(axis=0), low, high)]
+
+
+def seed_statistics(groups: dict[str, list[tuple[list[float], list[float]]]], seeds: dict[str, list[int]], baseline: str,
+                    frac: float = TARGET_FRAC) -> list[str]:
+    """The comparison's statistics, as lines: each setting's speed-up over the baseline with its 95%
+    bootstrap interval, and (for settings run with the baseline's seeds) the paired accuracy
+    difference at every whole minute that all runs reached."""
+    end = min(t[-1] for runs in groups.values() for t, _ in runs)
+    minutes = [60.0 * k for k in range(1, int(end // 60) + 1)]
+    lines = [f"speed-up to {frac:g} x {baseline}'s peak, 95% bootstrap interval over seeds; paired accuracy difference "
+             f"(same seeds) at each minute, mean [95% interval]",
+             f"{'run':<36}{'speed-up':>9}{'interval':>16}{'never':>7}" + "".join(f"{f'{int(t // 60)} min':>22}" for t in minutes)]
+    for label, runs in groups.items():
+        if label == baseline:
+            continue
+        boot = bootstrap_speedup(groups[baseline], runs, frac)
+        cells = ""
+        if seeds.get(label) == seeds.get(baseline):
+            cells = "".join(f"{f'{m:+.3f} [{lo:+.2f}, {hi:+.2f}]':>22}" for m, lo, hi in paired_differences(groups[baseline], runs, minutes))
+        interval = f"[{boot['low']:.2f}, {boot['high']:.2f}]"
+        lines.append(f"{label:<36}{boot['speedup']:>8.2f}x{interval:>16}{boot['never']:>7.0%}" + cells)
+    return lines
+
+
 def label_of(config: dict) -> str:
     """A run's legend label from its config.json: rule, n and m."""
     if config["rule"] == "none":
@@ -356,9 +429,11 @@ def differing_keys(a: dict, b: dict, ignore: frozenset[str] | set[str] = frozens
 
 
 def group_curves(run_dirs: list[Path], dataset: str | None) -> dict[str, list[tuple[list[float], list[float]]]]:
-    """Accuracy curves grouped by label (rule, n, m). Runs of one label must differ only in their
-    seed, and every run must have been evaluated with the same settings."""
+    """Accuracy curves grouped by label (rule, n, m), each group's runs in the order of their seeds
+    (so the i-th runs of two groups with the same seeds are a pair). Runs of one label must differ
+    only in their seed, and every run must have been evaluated with the same settings."""
     groups: dict[str, list[tuple[list[float], list[float]]]] = {}
+    seeds: dict[str, list[int]] = {}
     first_config: dict[str, tuple[Path, dict]] = {}
     eval_settings: tuple[Path, dict] | None = None
     for run in run_dirs:
@@ -388,7 +463,17 @@ def group_curves(run_dirs: list[Path], dataset: str | None) -> dict[str, list[tu
         first_config.setdefault(label, (run, config))
         results = sorted(stored["results"], key=lambda r: r["elapsed_s"])
         groups.setdefault(label, []).append(([r["elapsed_s"] for r in results], [r["accuracy"] for r in results]))
-    return groups
+        seeds.setdefault(label, []).append(config.get("seed", 0))
+    return {label: [run for _, run in sorted(zip(seeds[label], runs), key=lambda pair: pair[0])] for label, runs in groups.items()}
+
+
+def seeds_of(run_dirs: list[Path]) -> dict[str, list[int]]:
+    """Each label's seeds, in order: what group_curves' runs are paired by."""
+    seeds: dict[str, list[int]] = {}
+    for run in run_dirs:
+        config = json.loads((run / "config.json").read_text())
+        seeds.setdefault(label_of(config), []).append(config.get("seed", 0))
+    return {label: sorted(found) for label, found in seeds.items()}
 
 
 def mean_curve(runs: list[tuple[list[float], list[float]]]) -> tuple[list[float], list[float], list[float]]:
@@ -520,7 +605,7 @@ def plot(run_dirs: list[Path], out: Path, dataset: str | None, baseline: str | N
             lines.append(f"{label:<36}{t / 60:>20.1f} min{speed:>10}")
     costs = step_costs(run_dirs)
     return "\n".join(lines + ["", "test accuracy (mean +- standard error over seeds)", *accuracy_by_minute(groups)]
-                     + ([""] + costs if costs else []))
+                     + ["", *seed_statistics(groups, seeds_of(run_dirs), baseline, frac)] + ([""] + costs if costs else []))
 
 
 # ----------------------------------------------------------------------------- CLI

@@ -201,7 +201,7 @@ class HFSampler:
         stops = torch.tensor(sorted(self.stops), device=device)
         with torch.autocast(device.type, dtype=torch.bfloat16, enabled=self.autocast_bf16):
             out = self.model(input_ids=ids, attention_mask=mask, position_ids=(mask.cumsum(1) - 1).clamp(min=0),
-                             use_cache=True, logits_to_keep=1)  # prefill: the cache of every prompt token
+                             use_cache=True, logits_to_keep=last_positions(1, width, device))  # prefill: the cache of every prompt token
             cache, logits = out.past_key_values, out.logits[:, -1].repeat_interleave(n // copies, dim=0)
             cache.batch_repeat_interleave(n // copies)  # each prompt's cache copied to its n rows
             mask, position = mask.repeat_interleave(n // copies, dim=0), mask.sum(1).repeat_interleave(n // copies)
@@ -225,6 +225,15 @@ class HFSampler:
             text = self.tokenizer.decode(completion, skip_special_tokens=True)
             result.append(Rollout(prompt, completion, text, truncated, row_logprob[: len(completion)]))
         return result
+
+
+def last_positions(count: int, length: int, device) -> torch.Tensor:
+    """`logits_to_keep` for the last `count` of `length` positions, given as indices rather than as
+    the int `count`. With an int the model slices its hidden states into a non-contiguous view, and
+    torch's matmul then runs the LM head on it as a batched product over a copy of the (frozen)
+    head expanded to every row: for 64 prompts' prefill on a CPU, 3.6 GB and 5 of 7.5 seconds
+    (measured). Indices give a contiguous copy of just those positions, and one matrix product."""
+    return torch.arange(length - count, length, device=device)
 
 
 def sample_tokens(logits: torch.Tensor, temperature: float) -> tuple[torch.Tensor, torch.Tensor]:

@@ -1087,6 +1087,25 @@ def test_eval_writes_accuracy_with_standard_error_and_skips_done_checkpoints(tin
     assert "0 to evaluate, 3 already in" in caplog.text
 
 
+def test_evaluate_target_averages_repeats_with_their_standard_error_on_constructed_answers():
+    """Repeat 1 answers 4 of 4 questions right, repeat 2 two of 4, repeat 3 none: accuracies 1, 0.5, 0,
+    mean 0.5, standard error std([1, 0.5, 0], ddof=1) / sqrt(3) = 0.5 / sqrt(3)."""
+    examples = [data.Example(f"{i} + 1?", str(i + 1)) for i in range(4)]
+    right_per_repeat = iter([4, 2, 0])
+
+    class Sampler:
+        def generate(self, prompts, n):
+            right = next(right_per_repeat)
+            return [[sampling.Rollout(p, [], f"<think>x</think><answer>{int(e.answer) + (i >= right)}</answer>", False)]
+                    for i, (p, e) in enumerate(zip(prompts, examples))]
+
+    settings = evaluation.Settings("arith", 4, samples=1, repeats=3, temperature=0.9, max_new_tokens=8)
+    result = evaluation.evaluate_target(Sampler(), evaluation.Target("checkpoint-1", None, 1, 60.0), [[1]] * 4, examples, settings)
+    assert result["accuracies"] == [1.0, 0.5, 0.0] and result["accuracy"] == pytest.approx(0.5)
+    assert result["accuracy_se"] == pytest.approx(0.5 / math.sqrt(3))
+    assert result["format_rate"] == 1.0 and (result["step"], result["elapsed_s"]) == (1, 60.0)
+
+
 def test_eval_reuses_the_base_model_result_across_runs(tiny_run, tmp_path, caplog):
     argv = [str(tiny_run), "--dataset", "arith", "--limit", "3", "--repeats", "2", "--samples", "2", "--max-new-tokens", "4"]
     assert evaluation.main(argv) == 0
@@ -1105,10 +1124,12 @@ def test_eval_defaults_to_the_runs_generation_settings_and_redoes_retrained_chec
     shutil.copytree(tiny_run, run)
     for stale in run.glob("eval-*"):
         stale.unlink()
+    config = json.loads((run / "config.json").read_text())
+    (run / "config.json").write_text(json.dumps(config | {"temperature": 0.7}))  # not eval.py's fallback 0.9
     argv = [str(run), "--dataset", "arith", "--limit", "2", "--repeats", "2"]
     assert evaluation.main(argv) == 0
     stored = json.loads((run / "eval-arith.json").read_text())
-    assert stored["settings"]["max_new_tokens"] == 6 and stored["settings"]["temperature"] == 0.9  # the run's own
+    assert stored["settings"]["max_new_tokens"] == 6 and stored["settings"]["temperature"] == 0.7  # the run's own
     state_file = run / "checkpoint-2" / "trainer_state.json"
     state_file.write_text(json.dumps(json.loads(state_file.read_text()) | {"elapsed_s": 999.0}))  # retrained under the same name
     caplog.clear()
@@ -1186,6 +1207,57 @@ def test_plot_writes_a_png_and_prints_the_speedup_table(tmp_path, capsys):
     assert "PODS max_variance n=16 m=8" in out and "2.0 min" in out and "2.00x" in out
     assert "never reached" in out
     assert "pods                              4          20.0      10.0    30.0" in out  # its step costs
+
+
+def test_speedup_of_means_on_constructed_curves_with_known_answers():
+    base = [([0, 60, 120, 180], [0.1, 0.3, 0.5, 0.6])]  # peak 0.6, target 0.594: reached at 180 s
+    assert evaluation.speedup_of_means(base, [([0, 60, 90], [0.1, 0.5, 0.6])]) == pytest.approx(2.0)
+    assert evaluation.speedup_of_means(base, [([0, 60, 120], [0.1, 0.2, 0.3])]) == 0.0  # never reaches the target
+    assert evaluation.speedup_of_means(base, [([0, 60], [0.7, 0.8])]) == math.inf  # there from the start
+    two_seeds = [([0, 60, 120], [0.1, 0.4, 0.8]), ([0, 60, 120], [0.1, 0.6, 0.4])]  # mean 0.1, 0.5, 0.6
+    assert evaluation.speedup_of_means(base, two_seeds) == pytest.approx(1.5)  # the mean curve, not each seed
+
+
+def test_bootstrap_speedup_interval_collapses_for_identical_seeds_and_counts_resamples_that_never_reach():
+    base = [([0, 60, 120, 180], [0.1, 0.3, 0.5, 0.6])] * 4
+    same = evaluation.bootstrap_speedup(base, [([0, 60, 90], [0.1, 0.5, 0.6])] * 4, resamples=200)
+    assert (same["speedup"], same["low"], same["high"]) == pytest.approx((2.0, 2.0, 2.0)) and same["never"] == 0.0
+    # two seeds reach the target at 90 s, two never do; the mean curve of all four peaks at 0.35
+    mixed = [([0, 60, 90], [0.1, 0.5, 0.6])] * 2 + [([0, 60, 90], [0.1, 0.1, 0.1])] * 2
+    boot = evaluation.bootstrap_speedup(base, mixed, resamples=2000, seed=1)
+    assert boot["speedup"] == 0.0  # seed mean 0.35 < 0.594
+    # a resample's mean curve peaks at 0.1 + 0.125 x (good seeds drawn): only 4 good of 4 reach 0.594, P = 1/16
+    assert boot["never"] == pytest.approx(15 / 16, abs=0.02)
+    assert boot["low"] == 0.0 and boot["high"] == pytest.approx(2.0)  # 6% of resamples reach it, at 90 s
+    better = evaluation.bootstrap_speedup(base, [([0, 60, 90], [0.1, 0.5, 0.6])] * 3 + [([0, 60, 90], [0.1, 0.6, 0.6])])
+    assert 2.0 <= better["low"] <= better["speedup"] <= better["high"] <= 3.0
+
+
+def test_paired_differences_resample_seed_pairs_with_known_intervals():
+    base = [([0, 60, 120], [0.1, 0.2, 0.3]), ([0, 60, 120], [0.1, 0.4, 0.5])]
+    shifted = [([0, 60, 120], [a + 0.1 for a in acc]) for _, acc in base]
+    for mean, low, high in evaluation.paired_differences(base, shifted, [60, 120]):
+        assert (mean, low, high) == pytest.approx((0.1, 0.1, 0.1))  # the same difference in every pair: no spread
+    # differences +0.2 and 0.0 at 60 s: resampled means are 0, 0.1, 0.2 with probabilities 1/4, 1/2, 1/4
+    other = [([0, 60, 120], [0.1, 0.4, 0.3]), ([0, 60, 120], [0.1, 0.4, 0.5])]
+    (mean, low, high), = evaluation.paired_differences(base, other, [60], resamples=4000)
+    assert mean == pytest.approx(0.1) and low == pytest.approx(0.0) and high == pytest.approx(0.2)
+    (mean, _, _), = evaluation.paired_differences(base, other, [30])  # interpolated: +0.1 halfway to 60 s
+    assert mean == pytest.approx(0.05)
+    with pytest.raises(evaluation.EvalError, match="same seeds"):
+        evaluation.paired_differences(base, other[:1], [60])
+
+
+def test_plot_prints_speedup_intervals_and_paired_differences_for_runs_with_the_same_seeds(tmp_path, capsys):
+    runs = []
+    for seed, (g, p) in enumerate([(0.5, 0.6), (0.3, 0.5), (0.4, 0.4)]):  # PODS minus GRPO at 1 min: +0.1, +0.2, 0.0
+        runs.append(fake_run(tmp_path, f"grpo-s{seed}", "none", 8, 8, [(0, 0.1), (60, g), (120, g + 0.1)], seed=seed))
+        runs.append(fake_run(tmp_path, f"pods-s{seed}", "max_variance", 8, 4, [(0, 0.1), (60, p), (120, p + 0.1)], seed=seed))
+    assert evaluation.main(["--plot", *map(str, runs), "--out", str(tmp_path / "f.png")]) == 0
+    out = capsys.readouterr().out
+    assert "speed-up to 0.99 x GRPO n=8's peak, 95% bootstrap interval over seeds" in out
+    row = next(line for line in out.splitlines() if line.startswith("PODS max_variance n=8 m=4") and "[" in line)
+    assert "+0.100 [+0.00, +0.20]" in row  # 1 min: mean of +0.1, +0.2, 0.0; resampled means span 0.0 to 0.2
 
 
 def test_accuracy_by_minute_is_the_mean_and_standard_error_over_seeds_at_whole_minutes():

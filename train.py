@@ -319,7 +319,8 @@ def completion_logprobs(model, rollouts: list[sampling.Rollout], temperature: fl
         mask.append([1] * c + [0] * (C - c))
     ids, attention = torch.tensor(ids, device=device), torch.tensor(attention, device=device)
     position_ids = (attention.cumsum(dim=1) - 1).clamp(min=0)  # as generate() numbers a left-padded prompt
-    logits = model(input_ids=ids, attention_mask=attention, position_ids=position_ids, logits_to_keep=C + 1, use_cache=False).logits
+    logits = model(input_ids=ids, attention_mask=attention, position_ids=position_ids,
+                   logits_to_keep=sampling.last_positions(C + 1, P + C, device), use_cache=False).logits
     logits = logits[:, :-1].float() / temperature  # position t predicts token t + 1; float32 even under autocast
     logprobs = grpo.token_logprobs(logits, torch.tensor(targets, device=device))
     return logprobs, torch.tensor(mask, device=device)
@@ -386,7 +387,7 @@ def shared_prompt_logprobs(model, rollouts: list[sampling.Rollout], temperature:
     elif attention_kind != "sdpa":
         raise sampling.SetupError(f"--share-prompt needs sdpa or eager attention, not {attention_kind}; pass --no-share-prompt")
     logits = model(input_ids=ids.to(device), attention_mask=attention, position_ids=position.to(device),
-                   logits_to_keep=L - P + 1, use_cache=False).logits
+                   logits_to_keep=sampling.last_positions(L - P + 1, L, device), use_cache=False).logits
     logits = logits.float() / temperature  # column k holds the logits at packed column P - 1 + k
     normalizer = torch.stack([torch.logsumexp(row, dim=-1) for row in logits])  # one row at a time, as grpo.token_logprobs
     row_of, column_of, targets = row_of.to(device), column_of.to(device) - (P - 1), targets.to(device)

@@ -1,0 +1,288 @@
+"""Tests for trl_pods.py (PODS as a subclass of TRL's GRPOTrainer): `pytest -q test_trl_pods.py`.
+
+TRL is optional (pip install -r requirements-trl.txt): without it every test here skips, marked
+`trl`. On a CPU with the tiny random Llama of test_pods.py the file runs in well under a minute.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from collections import Counter
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")  # no model hub: every model here is a local directory
+os.environ.setdefault("HF_DATASETS_OFFLINE", "1")
+os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
+
+import pytest
+import torch
+
+import data
+import eval as evaluation  # eval.py; `eval` is a builtin name
+import grpo
+import pods
+import rewards
+import sampling
+import test_pods
+import train
+
+embedded_dir, tiny_model_dir = test_pods.embedded_dir, test_pods.tiny_model_dir  # fixtures: a random 2-layer Llama
+
+pytestmark = [
+    pytest.mark.trl,
+    # peft 0.21 (wrapping the model) and trl 1.16 (at every generation) read transformers 5.23's deprecated property
+    pytest.mark.filterwarnings("ignore:`is_gradient_checkpointing` is deprecated:FutureWarning"),
+]
+
+N, M = 4, 2  # rollouts generated and kept per prompt
+MICRO_BATCH, STEPS = 4, 2  # per_device_train_batch_size (rollouts) and gradient_accumulation_steps = steps_per_generation
+LENGTH_WEIGHT = 0.5  # weight of the length reward beside the task's (TRL's reward_weights)
+
+
+@pytest.fixture
+def trl_pods():
+    """The module under test, or a skip when TRL is not installed (a per-test skip, so conftest's policy sees the marker)."""
+    pytest.importorskip("trl", reason="TRL is optional: pip install -r requirements-trl.txt")
+    import trl_pods
+
+    return trl_pods
+
+
+def arith_dataset(count: int):
+    """The arithmetic task's first training problems as TRL conversational prompts, with the train.py prompt."""
+    from datasets import Dataset
+
+    examples = data.load_examples("arith", "train")[:count]
+    return Dataset.from_dict({
+        "prompt": [[{"role": "system", "content": sampling.SYSTEM_PROMPT}, {"role": "user", "content": e.question}]
+                   for e in examples],
+        "answer": [e.answer for e in examples],
+    })
+
+
+def text(completion) -> str:
+    return completion[-1]["content"] if isinstance(completion, list) else completion
+
+
+def task_reward(completions, answer, **kwargs) -> list[float]:
+    """The project's reward (correctness plus format) in TRL's reward-function signature."""
+    return [rewards.reward(text(c), a) for c, a in zip(completions, answer)]
+
+
+def length_reward(completions, **kwargs) -> list[float]:
+    """A reward a random model earns unevenly, so groups have a variance to select on."""
+    return [float(len(text(c)) % 3) for c in completions]
+
+
+def grpo_config(out_dir, **overrides):
+    from trl import GRPOConfig
+
+    settings = {
+        "per_device_train_batch_size": MICRO_BATCH, "gradient_accumulation_steps": STEPS, "num_generations": N,
+        "max_completion_length": 6, "temperature": 0.9, "top_k": 0, "top_p": 1.0, "learning_rate": 1e-2,
+        "loss_type": "grpo",  # grpo.grpo_loss's normalization: the mean over completions of per-token means
+        "reward_weights": [1.0, LENGTH_WEIGHT],
+        "use_cpu": True, "bf16": False, "fp16": False,
+        "activation_checkpointing": False,  # transformers 5.23's name: TRL's default gradient_checkpointing=True warns
+        "report_to": "none", "save_strategy": "no", "logging_steps": 1, "disable_tqdm": True, "seed": 0,
+        "dataloader_num_workers": 0,
+    }
+    return GRPOConfig(output_dir=str(out_dir), **(settings | overrides))
+
+
+def make_trainer(trl_pods, model_dir, out_dir, m=M, reward_funcs=(task_reward, length_reward), varied_lengths=False, **config):
+    from peft import LoraConfig
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
+    if varied_lengths:  # a random model almost never samples EOS: TRL ends a completion at any of the model's EOS ids,
+        stops = range(1000, 1000 + model.config.vocab_size // 8)  # so make 1 token in 8 one
+        model.generation_config.eos_token_id = [model.generation_config.eos_token_id, *stops]
+    # init_lora_weights=False: both LoRA factors random, so both get a non-zero gradient to compare
+    lora = LoraConfig(r=4, lora_alpha=8, lora_dropout=0.0, target_modules=train.LORA_TARGETS, task_type="CAUSAL_LM",
+                      init_lora_weights=False)
+    return trl_pods.PODSGRPOTrainer(model=model, reward_funcs=list(reward_funcs), args=grpo_config(out_dir, **config),
+                                    train_dataset=arith_dataset(16), processing_class=AutoTokenizer.from_pretrained(model_dir),
+                                    peft_config=lora, m=m)
+
+
+def rows(batch: dict) -> Counter:
+    """The rollouts of a batch as a multiset of (prompt ids, completion ids, advantage), whatever their order."""
+    return Counter((tuple(p[pm.bool()].tolist()), tuple(c[cm.bool()].tolist()), round(float(a), 6))
+                   for p, pm, c, cm, a in zip(batch["prompt_ids"], batch["prompt_mask"], batch["completion_ids"],
+                                              batch["completion_mask"], batch["advantages"]))
+
+
+def trainable_grads(model) -> dict[str, torch.Tensor]:
+    return {name: p.grad.clone() for name, p in model.named_parameters() if p.requires_grad}
+
+
+# ----------------------------------------------------------------------------- configuration and version checks
+
+
+@pytest.mark.parametrize("overrides, m, rule, message", [
+    ({}, 4, "best", "rule='best' is not a down-sampling rule; choose one of max_reward, max_variance, random"),
+    ({}, 1, "max_variance", "m=1 must be between 2 (grpo.group_advantages needs two kept rewards per prompt) and num_generations=8"),
+    ({}, 9, "max_variance", "m=9 must be between 2"),
+    # as on one of several processes: GRPOConfig itself checks only the global generation batch
+    ({"per_device_train_batch_size": 3, "steps_per_generation": 4}, 4, "max_variance",
+     "per_device_train_batch_size=3 x steps_per_generation=4 = 12 rollouts per process is not a multiple of num_generations=8"),
+    ({"per_device_train_batch_size": 4, "steps_per_generation": 4}, 3, "max_variance",
+     "per_device_train_batch_size=4 x m=3 / num_generations=8 is not a whole number of kept rollouts per micro-batch"),
+    ({"scale_rewards": "none"}, 4, "max_variance", "scale_rewards='none': PODS recomputes advantages"),
+    ({"scale_rewards": "batch"}, 4, "max_variance", "set scale_rewards='group'"),
+    ({"multi_objective_aggregation": "normalize_then_sum"}, 4, "max_variance", "set multi_objective_aggregation='sum_then_normalize'"),
+], ids=["unknown-rule", "m-below-2", "m-above-n", "group-across-processes", "uneven-micro-batches", "scale-none", "scale-batch",
+        "normalize-then-sum"])
+def test_check_config_refuses_settings_that_would_break_down_sampling_with_one_line(trl_pods, tmp_path, overrides, m, rule, message):
+    args = grpo_config(tmp_path, num_generations=8, per_device_train_batch_size=8)  # 8 x 2 steps: 2 prompts x 8 rollouts
+    for name, value in overrides.items():
+        setattr(args, name, value)
+    with pytest.raises(ValueError, match="^[^\n]*$") as err:
+        trl_pods.check_config(args, m, rule)
+    assert message in str(err.value)
+
+
+def test_check_config_accepts_whole_groups_that_split_evenly(trl_pods, tmp_path):
+    trl_pods.check_config(grpo_config(tmp_path), M, "max_variance")  # 4 x 2 = 8 rollouts: 2 groups, 2 kept per micro-batch
+    trl_pods.check_config(grpo_config(tmp_path, num_generations=8, per_device_train_batch_size=2,
+                                      gradient_accumulation_steps=16), 4, "random")  # a group spans 4 micro-batches
+
+
+def test_check_trl_fails_with_one_line_naming_the_tested_version(trl_pods):
+    class Renamed(trl_pods.GRPOTrainer):
+        _calculate_rewards = None  # as if a newer TRL had renamed it
+
+    class Resigned(trl_pods.GRPOTrainer):
+        def _generate_and_score_completions(self, inputs, extra):
+            pass
+
+    for trainer_class in (Renamed, Resigned):
+        with pytest.raises(ImportError, match="^trl_pods was tested with trl 1.16.0; found trl [^\n]*$"):
+            trl_pods.check_trl(trainer_class)
+    trl_pods.check_trl()  # the installed TRL
+    with pytest.raises(RuntimeError, match=r"^the generation batch has entries \['pixel_values'\] .* tested with trl 1.16.0"):
+        trl_pods.PODSGRPOTrainer.downsample_batch(None, {"prompt_ids": torch.zeros(4, 1), "pixel_values": torch.zeros(4)},
+                                                  torch.zeros(4))
+
+
+# ----------------------------------------------------------------------------- same math as the project's trainer
+
+
+def test_one_batch_keeps_m_rows_per_prompt_with_kept_advantages_and_grpo_loss_gradient(trl_pods, tiny_model_dir, tmp_path, monkeypatch):
+    task_calls, length_calls = [], []
+
+    def recorded_task(completions, answer, **kwargs):
+        task_calls.append(task_reward(completions, answer))
+        return task_calls[-1]
+
+    def recorded_length(completions, **kwargs):
+        length_calls.append(length_reward(completions))
+        return length_calls[-1]
+
+    trainer = make_trainer(trl_pods, tiny_model_dir, tmp_path, reward_funcs=(recorded_task, recorded_length), varied_lengths=True)
+    model = trainer.model
+    seen, loss_inputs = {}, []
+    downsample_batch, compute_loss = trainer.downsample_batch, trainer.compute_loss
+
+    def spy_downsample(batch, rewards):
+        seen.update(full=batch, rewards=rewards, kept=downsample_batch(batch, rewards))
+        return seen["kept"]
+
+    def spy_loss(model, inputs, **kwargs):
+        loss_inputs.append(inputs)
+        return compute_loss(model, inputs, **kwargs)
+
+    monkeypatch.setattr(trainer, "downsample_batch", spy_downsample)
+    monkeypatch.setattr(trainer, "compute_loss", spy_loss)
+    model.train()
+    trainer.current_gradient_accumulation_steps = STEPS  # set by Trainer's training loop
+    generation_batch = next(iter(trainer.get_train_dataloader()))
+    assert len(generation_batch) == MICRO_BATCH * STEPS  # 2 prompts x N
+    model.zero_grad()
+    trl_loss = sum(float(trainer.training_step(model, generation_batch, None)) for _ in range(STEPS))  # one optimizer step's micro-batches
+    trl_grads = trainable_grads(model)
+
+    full, kept, r = seen["full"], seen["kept"], seen["rewards"]
+    (task,), (length,) = task_calls, length_calls
+    assert r.tolist() == pytest.approx([t + LENGTH_WEIGHT * s for t, s in zip(task, length)])  # TRL's weighted sum
+    assert r.view(-1, N).std(dim=1).gt(0).all(), "each group needs different rewards for the selection to matter"
+    lengths = full["completion_mask"].sum(dim=1)
+    assert lengths.min() < lengths.max(), "completions of one length would not tell a per-completion mean from a token mean"
+
+    # (a) exactly the rows pods.downsample picks, m per prompt, reach the loss
+    picked = pods.downsample(r, M, "max_variance", group_size=N)
+    assert Counter(i // N for i in picked) == {g: M for g in range(len(generation_batch) // N)}
+    for key in trl_pods.ROW_KEYS & set(full) - {"advantages"}:
+        assert torch.equal(kept[key], full[key][picked]), key
+    assert [len(b["prompt_ids"]) for b in loss_inputs] == [MICRO_BATCH * M // N] * STEPS
+    assert sum((rows(b) for b in loss_inputs), Counter()) == rows(kept)
+
+    # (b) advantages from the kept rewards alone, not TRL's over all n
+    expected = grpo.group_advantages(r[picked].view(-1, M)).view(-1)
+    assert torch.equal(kept["advantages"], expected)
+    assert not torch.allclose(full["advantages"][picked], expected)
+
+    # num_items_in_batch, the loss normalizer of "dapo", counts the kept tokens only
+    assert int(full["num_items_in_batch"]) == int(full["completion_mask"].sum())
+    assert int(kept["num_items_in_batch"]) == int(kept["completion_mask"].sum()) < int(full["completion_mask"].sum())
+
+    # (c) loss_type="grpo" has grpo.grpo_loss's gradient on the same kept rollouts
+    pad_id = trainer.processing_class.pad_token_id
+    kept_rollouts = [sampling.Rollout(p[pm.bool()].tolist(), c[cm.bool()].tolist(), "", False)
+                     for p, pm, c, cm in zip(kept["prompt_ids"], kept["prompt_mask"], kept["completion_ids"], kept["completion_mask"])]
+    model.zero_grad()
+    logprobs, mask = train.completion_logprobs(model, kept_rollouts, trainer.temperature, pad_id)
+    loss, _ = grpo.grpo_loss(logprobs, logprobs.detach(), kept["advantages"], mask)
+    loss.backward()
+    assert trl_loss == pytest.approx(loss.item(), abs=1e-6)
+    for name, grad in trainable_grads(model).items():
+        torch.testing.assert_close(trl_grads[name], grad, rtol=1e-4, atol=1e-6, msg=name)
+
+    # and "dapo", which divides by num_items_in_batch, is the mean over the kept tokens (not m/n of it)
+    trainer.loss_type = "dapo"
+    model.zero_grad()
+    for inputs in loss_inputs:
+        compute_loss(model, inputs).backward()
+    dapo_grads = trainable_grads(model)
+    model.zero_grad()
+    logprobs, mask = train.completion_logprobs(model, kept_rollouts, trainer.temperature, pad_id)
+    per_token = -torch.exp(logprobs - logprobs.detach()) * kept["advantages"].unsqueeze(1)  # rho = 1, nothing clipped
+    ((per_token * mask).sum() / mask.sum()).backward()
+    for name, grad in trainable_grads(model).items():
+        torch.testing.assert_close(dapo_grads[name], grad, rtol=1e-4, atol=1e-6, msg=name)
+    assert not all(torch.allclose(dapo_grads[name], grad, rtol=1e-2) for name, grad in trl_grads.items())  # the two differ
+
+
+# ----------------------------------------------------------------------------- a short training run, evaluated by eval.py
+
+
+def test_training_on_arith_logs_kept_reward_stats_and_its_adapter_loads_in_eval(trl_pods, tiny_model_dir, tmp_path, monkeypatch):
+    from peft import get_peft_model_state_dict
+
+    trainer = make_trainer(trl_pods, tiny_model_dir, tmp_path / "trl", max_steps=2)
+    before = {name: p.detach().clone() for name, p in trainer.model.named_parameters() if p.requires_grad}
+    trainer.train()
+    logged = [row for row in trainer.state.log_history if "pods/reward" in row]
+    assert len(logged) == 2
+    for row in logged:
+        assert {"reward", "reward_std", "frac_reward_zero_std", "pods/reward_std", "pods/frac_reward_zero_std"} <= row.keys()
+    assert any(not torch.equal(p, before[name]) for name, p in trainer.model.named_parameters() if p.requires_grad)
+
+    adapter = tmp_path / "adapter"
+    trainer.save_model(str(adapter))
+    evaluated = {}
+    load_target = evaluation.load_target
+
+    def spy_load_target(model, sampler, target):
+        load_target(model, sampler, target)
+        evaluated.update(get_peft_model_state_dict(model))
+
+    monkeypatch.setattr(evaluation, "load_target", spy_load_target)
+    argv = [str(adapter), "--dataset", "arith", "--limit", "2", "--repeats", "1", "--max-new-tokens", "4", "--backend", "hf"]
+    assert evaluation.main(argv) == 0
+    trained = get_peft_model_state_dict(trainer.model)
+    assert evaluated.keys() == trained.keys() and all(torch.equal(evaluated[k], trained[k]) for k in trained)
+    (result,) = json.loads((adapter / "eval-arith.json").read_text())["results"]
+    assert result["checkpoint"] == "adapter" and 0 <= result["accuracy"] <= 1

@@ -1,0 +1,174 @@
+"""PODS for TRL: a GRPOTrainer that generates n rollouts per prompt and trains on m of them.
+
+Paper: Xu, Savani, Fang, Kolter, "Not All Rollouts are Useful: Down-Sampling Rollouts in LLM
+Reinforcement Learning" (arXiv 2504.13818). TRL's GRPOTrainer generates `num_generations` = n
+rollouts per prompt and updates on all of them; `PODSGRPOTrainer` keeps m of each prompt's n with a
+Definition 3.1 rule (`pods.downsample`: max_variance, max_reward or random), recomputes the
+advantages from the kept rewards (`grpo.group_advantages`), and hands TRL's loss only the kept rows:
+
+    config = GRPOConfig(num_generations=8, per_device_train_batch_size=8, gradient_accumulation_steps=4,
+                        loss_type="grpo", ...)          # 4 prompts x 8 rollouts per optimizer step
+    trainer = PODSGRPOTrainer(model=..., reward_funcs=..., args=config, train_dataset=..., m=4)
+    trainer.train()                                     # each step trains on 4 prompts x 4 kept rollouts
+
+Tested with trl 1.16.0 (requirements-trl.txt); it imports `pods` and `grpo` and nothing else of
+this project. Importing it with a TRL whose internals differ fails with one line saying so.
+
+What it overrides in GRPOTrainer, and why:
+- `_calculate_rewards`: calls TRL's and keeps its result, the reward of every reward function for
+  every rollout of every process, so the selection uses exactly the rewards TRL scored.
+- `_generate_and_score_completions`: after TRL's (generate, score, advantages over all n), keeps m
+  rows per prompt group and recomputes `advantages` and `num_items_in_batch` for them. It is the
+  last point before `_prepare_inputs` shuffles the generation batch and splits it into
+  `steps_per_generation` micro-batches, so every micro-batch, and TRL's unchanged `compute_loss`,
+  sees only kept rows: the backward pass runs on m/n of the rollouts, the saving PODS is about.
+In evaluation (`model.training` False) nothing changes: all n rollouts are scored.
+
+Loss type: `loss_type="grpo"` is the paper's normalization, grpo.grpo_loss's: each completion's
+token losses averaged over its own tokens (1/|o_i|), then averaged over completions. TRL's "grpo"
+takes that mean per micro-batch and divides by the accumulation steps; the micro-batches are of
+equal size, so the sum is the mean over all kept completions. TRL's default "dapo" (and "bnpo",
+"dr_grpo") normalize by token counts instead, which weights long completions more.
+
+Batch sizes: `per_device_train_batch_size` counts generated rollouts, as in TRL; after down-sampling
+each micro-batch holds per_device_train_batch_size x m / n of them. Checked at construction (one-line
+ValueErrors, see `check_config`): a process holds whole groups, the kept rows split evenly into the
+micro-batches (TRL's split_tensor_dict would silently drop a remainder), 2 <= m <= n, group scaling.
+`num_items_in_batch` (the token count "dapo", "cispo" and "vespo" divide by) is recounted over the
+kept rows, so those losses are not scaled down by about m/n.
+
+Logging: TRL's `reward`, `reward_std`, `frac_reward_zero_std`, `rewards/<func>/mean|std`, the
+`completions/*` lengths, `num_tokens` and the completions table (with TRL's advantages) describe all
+n generated rollouts; `pods/reward`, `pods/reward_std` and `pods/frac_reward_zero_std` the m kept.
+
+Not saved: TRL computes old log-probs (with vLLM's importance sampling, or when
+gradient_accumulation_steps is not a multiple of steps_per_generation x num_iterations, e.g.
+num_iterations > 1) and reference log-probs (beta != 0) on all n rollouts, in no-grad forward
+passes, before any reward exists; dropped rows still pay for those passes.
+"""
+
+from __future__ import annotations
+
+import inspect
+
+import numpy as np
+import torch
+import trl
+from trl import GRPOConfig, GRPOTrainer
+
+import grpo
+import pods
+
+TESTED_TRL = "1.16.0"
+
+# The per-rollout entries of the batch trl 1.16.0's _generate_and_score_completions returns for text
+# prompts. A batch with any other entry (images, or a newer TRL's additions) is refused, not guessed at.
+ROW_KEYS = {"prompt_ids", "prompt_mask", "completion_ids", "completion_mask", "advantages", "old_per_token_logps",
+            "importance_sampling_ratio", "sampling_per_token_logps", "ref_per_token_logps", "tool_mask"}
+BATCH_KEYS = {"num_items_in_batch"}  # one value for the whole batch, recomputed after down-sampling
+
+# The methods overridden or relied on, with the parameters they have in trl 1.16.0
+TRL_METHODS = {
+    "_calculate_rewards": ["self", "inputs", "prompts", "completions", "completion_ids_list"],
+    "_generate_and_score_completions": ["self", "inputs"],
+    "_prepare_inputs": ["self", "generation_batch"],
+}
+# GRPOTrainer attributes read here, all set by trl 1.16.0's __init__
+TRL_ATTRIBUTES = ("num_generations", "reward_weights", "scale_rewards", "multi_objective_aggregation", "_metrics")
+
+
+def version_error(what: str) -> str:
+    return f"trl_pods was tested with trl {TESTED_TRL}; found trl {trl.__version__}, where {what}: pip install -r requirements-trl.txt"
+
+
+def check_trl(trainer_class: type = GRPOTrainer) -> None:
+    """Raise ImportError unless `trainer_class` has the methods this file overrides, as in trl 1.16.0."""
+    for name, params in TRL_METHODS.items():
+        method = getattr(trainer_class, name, None)
+        if method is None or list(inspect.signature(method).parameters) != params:
+            raise ImportError(version_error(f"GRPOTrainer.{name}({', '.join(params)}) is missing or has another signature"))
+
+
+check_trl()
+
+
+def check_config(args: GRPOConfig, m: int, rule: str) -> None:
+    """One-line ValueErrors for settings under which keeping m of n rollouts would go wrong."""
+    n, B, S = args.num_generations, args.per_device_train_batch_size, args.steps_per_generation
+    if rule not in pods.RULES:
+        raise ValueError(f"rule={rule!r} is not a down-sampling rule; choose one of {', '.join(sorted(pods.RULES))}")
+    if not 2 <= m <= n:
+        raise ValueError(f"m={m} must be between 2 (grpo.group_advantages needs two kept rewards per prompt) "
+                         f"and num_generations={n}")
+    if B * S % n:
+        raise ValueError(f"per_device_train_batch_size={B} x steps_per_generation={S} = {B * S} rollouts per process is not a "
+                         f"multiple of num_generations={n}: a prompt's rollouts would be split across processes; make it one")
+    if B * m % n:
+        raise ValueError(f"per_device_train_batch_size={B} x m={m} / num_generations={n} is not a whole number of kept rollouts "
+                         f"per micro-batch (TRL would silently drop the remainder); make per_device_train_batch_size x m a "
+                         f"multiple of num_generations")
+    if args.scale_rewards != "group":
+        raise ValueError(f"scale_rewards={args.scale_rewards!r}: PODS recomputes advantages with the group mean and std of "
+                         f"the kept rewards (grpo.group_advantages); set scale_rewards='group'")
+    if args.multi_objective_aggregation != "sum_then_normalize":
+        raise ValueError(f"multi_objective_aggregation={args.multi_objective_aggregation!r}: PODS selects on the weighted "
+                         f"sum of the rewards; set multi_objective_aggregation='sum_then_normalize'")
+
+
+class PODSGRPOTrainer(GRPOTrainer):
+    """GRPOTrainer that trains on m of each prompt's n = num_generations rollouts (see the module docstring).
+
+    m: rollouts kept per prompt, 2 <= m <= n. rule: "max_variance" (PODS), "max_reward" or "random".
+    """
+
+    def __init__(self, *args, m: int, rule: str = "max_variance", **kwargs):
+        super().__init__(*args, **kwargs)
+        missing = [name for name in TRL_ATTRIBUTES if not hasattr(self, name)]
+        if missing:
+            raise RuntimeError(version_error(f"GRPOTrainer has no {', '.join(missing)}"))
+        check_config(self.args, m, rule)
+        self.m, self.rule = m, rule
+        self.pods_rng = np.random.default_rng(self.args.seed + self.accelerator.process_index)  # the random rule's
+        self.rewards_per_func = None  # the last generation batch's rewards, every process's rows
+
+    def _calculate_rewards(self, inputs, prompts, completions, completion_ids_list):
+        self.rewards_per_func = super()._calculate_rewards(inputs, prompts, completions, completion_ids_list)
+        return self.rewards_per_func
+
+    def _generate_and_score_completions(self, inputs):
+        batch = super()._generate_and_score_completions(inputs)
+        if not self.model.training:
+            return batch
+        start = self.accelerator.process_index * len(inputs)  # this process's rows among the gathered rewards
+        rewards_per_func = self.rewards_per_func[start : start + len(inputs)]
+        if torch.isnan(rewards_per_func).all(dim=1).any():
+            raise ValueError("every reward function returned None for a rollout, but PODS ranks all n rollouts by reward: "
+                             "make at least one reward function return a number for every completion")
+        rewards = (rewards_per_func * self.reward_weights.to(rewards_per_func.device)).nansum(dim=1)  # as TRL sums them
+        return self.downsample_batch(batch, rewards)
+
+    def downsample_batch(self, batch: dict, rewards: torch.Tensor) -> dict:
+        """Keep m rows of each group of n in TRL's generation batch, with advantages from the kept rewards.
+
+        `rewards` are the local rows' rewards, group after group (TRL's RepeatSampler puts a prompt's
+        n rollouts next to each other, and check_config keeps a group on one process).
+        """
+        unknown = set(batch) - ROW_KEYS - BATCH_KEYS
+        if unknown:
+            raise RuntimeError(f"the generation batch has entries {sorted(unknown)} that trl_pods cannot down-sample: multimodal "
+                               f"prompts are not supported, and trl_pods was tested with trl {TESTED_TRL} (found {trl.__version__})")
+        n, m = self.num_generations, self.m
+        keep = torch.tensor(pods.downsample(rewards, m, self.rule, group_size=n, rng=self.pods_rng), device=rewards.device)
+        kept = {key: value[keep] for key, value in batch.items() if key in ROW_KEYS}
+        kept_rewards = rewards[keep].view(-1, m)
+        kept["advantages"] = grpo.group_advantages(kept_rewards).view(-1)  # A_i = (r_i - mean) / (std + 1e-4), kept only
+        loss_mask = kept["completion_mask"] * kept["tool_mask"] if "tool_mask" in kept else kept["completion_mask"]
+        kept["num_items_in_batch"] = self.accelerator.gather(loss_mask.sum()).sum()  # tokens the kept rows train on
+
+        kept_rewards = self.accelerator.gather(kept_rewards)  # all processes' kept rewards, as TRL logs all rewards
+        group_std = kept_rewards.std(dim=1)
+        metrics = self._metrics["train"]
+        metrics["pods/reward"].append(kept_rewards.mean().item())
+        metrics["pods/reward_std"].append(kept_rewards.std().item())
+        metrics["pods/frac_reward_zero_std"].append(torch.isclose(group_std, torch.zeros_like(group_std)).float().mean().item())
+        return kept
