@@ -14,13 +14,24 @@
 #   bash docs/cpu_reproduction.sh                  # everything; BUDGET=3 minutes of training per run
 #   STAGES=report bash docs/cpu_reproduction.sh    # only redraw figures and tables from docs/cpu/
 #
+# PLAN=plateau: the comparisons run to GRPO's plateau (BUDGET=10 minutes a run, from the probe in
+# docs/cpu-reproduction.md), with SEEDS="0 1 2 3 4 5" paired seeds, into runs/cpu-plateau and
+# docs/cpu-plateau/: ~6 hours on 2 cores (24 runs of 10 minutes, then ~4 minutes of evaluation
+# each), meant to run in parts (Ctrl-C, then the same command continues):
+#   1. equal rollouts generated (the paper's multi-GPU setting): GRPO n=8 against PODS n=8 m=4
+#   2. equal rollouts updated (its single-GPU setting): GRPO n=4 against PODS n=16 m=4
+#   PLAN=plateau bash docs/cpu_reproduction.sh
+#
 # Resumable: a finished run (its budget reached) is not redone, an interrupted one continues from its
 # last checkpoint, and evaluated checkpoints are skipped.
 set -euo pipefail
 cd "$(dirname "$0")/.."
-BUDGET=${BUDGET:-3}
-OUT=${OUT:-runs/cpu}
-KEEP=docs/cpu
+PLAN=${PLAN:-first}
+if [ "$PLAN" = plateau ]; then
+  BUDGET=${BUDGET:-15}; OUT=${OUT:-runs/cpu-plateau}; KEEP=docs/cpu-plateau; SEEDS=${SEEDS:-"0 1 2 3 4 5"}
+else
+  BUDGET=${BUDGET:-3}; OUT=${OUT:-runs/cpu}; KEEP=docs/cpu
+fi
 STAGES=${STAGES:-"train eval report"}
 TASK=arith:2
 COMMON="--dataset $TASK --prompts-per-step 4 --max-new-tokens 32 --lr 3e-4 --steps 1000 --time-budget $BUDGET
@@ -50,6 +61,14 @@ RUNS=()
 plan() { RUNS+=("$1"); if [[ " $STAGES " == *" train "* ]]; then run "$@"; fi; }
 
 start=$(date +%s)
+if [ "$PLAN" = plateau ]; then
+  for seed in $SEEDS; do  # methods interleaved within a seed, so a slow hour of the machine hits all alike
+    plan grpo-n8-s$seed --seed $seed --rule none --n 8                      # 1: GRPO on all 8
+    plan pods-n8-m4-s$seed --seed $seed --rule max_variance --n 8 --m 4     # 1: PODS keeps 4 of the same 8
+    plan grpo-n4-s$seed --seed $seed --rule none --n 4                      # 2: GRPO on n = m = 4
+    plan pods-n16-m4-s$seed --seed $seed --rule max_variance --n 16 --m 4   # 2: PODS keeps 4 of 16
+  done
+else
 for seed in 0 1 2; do
   plan grpo-n8-s$seed --seed $seed --rule none --n 8                       # 1: GRPO on all 8
   plan pods-n8-m4-s$seed --seed $seed --rule max_variance --n 8 --m 4      # 1, 3: PODS keeps 4 of 8
@@ -61,6 +80,7 @@ for seed in 0 1 2; do
     plan pods-n16-m4-s$seed --seed $seed --rule max_variance --n 16 --m 4  # 3: PODS keeps 4 of 16
   fi
 done
+fi
 trained=$(date +%s)
 
 evaluate() {
@@ -76,9 +96,14 @@ evaluated=$(date +%s)
 
 if [[ " $STAGES " == *" report "* ]]; then
   plot() { local name=$1; shift; python eval.py --plot "$@" --dataset $TASK --out "docs/cpu_$name.png" | tee "docs/cpu_$name.txt"; }
+  if [ "$PLAN" = plateau ]; then
+    plot plateau_equal_rollouts "$KEEP"/grpo-n8-s* "$KEEP"/pods-n8-m4-s*
+    plot plateau_equal_updates "$KEEP"/grpo-n4-s* "$KEEP"/pods-n16-m4-s*
+  else
   plot equal_rollouts "$KEEP"/grpo-n8-s* "$KEEP"/pods-n8-m4-s* "$KEEP"/pods-n8-m2-s*
   plot rules "$KEEP"/pods-n8-m2-s[01] "$KEEP"/maxreward-n8-m2-s* "$KEEP"/random-n8-m2-s* --baseline "PODS max_variance n=8 m=2"
   plot n_ablation "$KEEP"/grpo-n4-s* "$KEEP"/pods-n8-m4-s[01] "$KEEP"/pods-n16-m4-s*
+  fi
 fi
 if [[ " $STAGES " == *" train "* ]]; then
   echo "this invocation: training $(( (trained - start) / 60 )) min, evaluation $(( (evaluated - trained) / 60 )) min" | tee -a docs/cpu_time.txt
