@@ -396,8 +396,7 @@ def seed_statistics(groups: dict[str, list[tuple[list[float], list[float]]]], se
     """The comparison's statistics, as lines: each setting's speed-up over the baseline with its 95%
     bootstrap interval, and (for settings run with the baseline's seeds) the paired accuracy
     difference at every whole minute that all runs reached."""
-    end = min(t[-1] for runs in groups.values() for t, _ in runs)
-    minutes = [60.0 * k for k in range(1, int(end // 60) + 1)]
+    minutes = [60.0 * k for k in range(1, common_minutes(groups) + 1)]
     lines = [f"speed-up to {frac:g} x {baseline}'s peak, 95% bootstrap interval over seeds; paired accuracy difference "
              f"(same seeds) at each minute, mean [95% interval]",
              f"{'run':<36}{'speed-up':>9}{'interval':>16}{'never':>7}" + "".join(f"{f'{int(t // 60)} min':>22}" for t in minutes)]
@@ -428,10 +427,11 @@ def differing_keys(a: dict, b: dict, ignore: frozenset[str] | set[str] = frozens
     return sorted(k for k in a.keys() | b.keys() if k not in ignore and a.get(k) != b.get(k))
 
 
-def group_curves(run_dirs: list[Path], dataset: str | None) -> dict[str, list[tuple[list[float], list[float]]]]:
-    """Accuracy curves grouped by label (rule, n, m), each group's runs in the order of their seeds
-    (so the i-th runs of two groups with the same seeds are a pair). Runs of one label must differ
-    only in their seed, and every run must have been evaluated with the same settings."""
+def group_curves(run_dirs: list[Path], dataset: str | None) -> tuple[dict[str, list[tuple[list[float], list[float]]]], dict[str, list[int]]]:
+    """Accuracy curves grouped by label (rule, n, m), each group's runs in the order of their seeds,
+    and each group's seeds in that order (so the i-th runs of two groups with the same seeds are a
+    pair). Runs of one label must differ only in their seed, and every run must have been evaluated
+    with the same settings."""
     groups: dict[str, list[tuple[list[float], list[float]]]] = {}
     seeds: dict[str, list[int]] = {}
     first_config: dict[str, tuple[Path, dict]] = {}
@@ -464,16 +464,9 @@ def group_curves(run_dirs: list[Path], dataset: str | None) -> dict[str, list[tu
         results = sorted(stored["results"], key=lambda r: r["elapsed_s"])
         groups.setdefault(label, []).append(([r["elapsed_s"] for r in results], [r["accuracy"] for r in results]))
         seeds.setdefault(label, []).append(config.get("seed", 0))
-    return {label: [run for _, run in sorted(zip(seeds[label], runs), key=lambda pair: pair[0])] for label, runs in groups.items()}
-
-
-def seeds_of(run_dirs: list[Path]) -> dict[str, list[int]]:
-    """Each label's seeds, in order: what group_curves' runs are paired by."""
-    seeds: dict[str, list[int]] = {}
-    for run in run_dirs:
-        config = json.loads((run / "config.json").read_text())
-        seeds.setdefault(label_of(config), []).append(config.get("seed", 0))
-    return {label: sorted(found) for label, found in seeds.items()}
+    order = {label: sorted(range(len(runs)), key=lambda i: seeds[label][i]) for label, runs in groups.items()}
+    return ({label: [runs[i] for i in order[label]] for label, runs in groups.items()},
+            {label: [seeds[label][i] for i in order[label]] for label in groups})
 
 
 def mean_curve(runs: list[tuple[list[float], list[float]]]) -> tuple[list[float], list[float], list[float]]:
@@ -494,10 +487,15 @@ def across_seeds(runs: list[tuple[list[float], list[float]]], times: list[float]
     return stacked.mean(axis=0).tolist(), se.tolist()
 
 
+def common_minutes(groups: dict[str, list[tuple[list[float], list[float]]]]) -> int:
+    """The last whole minute of training that every run reached (its last evaluation or after)."""
+    return int(min(t[-1] for runs in groups.values() for t, _ in runs) // 60)
+
+
 def accuracy_by_minute(groups: dict[str, list[tuple[list[float], list[float]]]]) -> list[str]:
     """Each setting's accuracy at every whole minute that all its runs reached (each run's curve
     interpolated there, then the mean and standard error over its seeds), and the peak of the mean curve."""
-    minutes = range(int(min(t[-1] for runs in groups.values() for t, _ in runs) // 60) + 1)
+    minutes = range(common_minutes(groups) + 1)
     lines = [f"{'run':<36}{'seeds':>6}" + "".join(f"{f'{k} min':>16}" for k in minutes) + f"{'peak':>8}"]
     for label, runs in groups.items():
         cells = [f"{mean:.3f} +- {se:.3f}" for mean, se in zip(*across_seeds(runs, [60 * k for k in minutes]))]
@@ -566,7 +564,7 @@ def plot(run_dirs: list[Path], out: Path, dataset: str | None, baseline: str | N
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    groups = group_curves(run_dirs, dataset)
+    groups, seeds_by_label = group_curves(run_dirs, dataset)
     curves = {label: mean_curve(runs) for label, runs in groups.items()}
     if len(curves) < 2:
         raise EvalError(f"nothing to compare: all runs are {next(iter(curves))}; pass runs of at least two settings")
@@ -605,7 +603,7 @@ def plot(run_dirs: list[Path], out: Path, dataset: str | None, baseline: str | N
             lines.append(f"{label:<36}{t / 60:>20.1f} min{speed:>10}")
     costs = step_costs(run_dirs)
     return "\n".join(lines + ["", "test accuracy (mean +- standard error over seeds)", *accuracy_by_minute(groups)]
-                     + ["", *seed_statistics(groups, seeds_of(run_dirs), baseline, frac)] + ([""] + costs if costs else []))
+                     + ["", *seed_statistics(groups, seeds_by_label, baseline, frac)] + ([""] + costs if costs else []))
 
 
 # ----------------------------------------------------------------------------- CLI
