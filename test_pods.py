@@ -717,6 +717,8 @@ def test_merged_copy_holds_the_current_adapter_after_update_weights_and_the_base
     sampler.update_weights(model)
     assert all(torch.equal(sampler.model.state_dict()[k], v) for k, v in stale.items())
     assert all(not p.requires_grad and p.dtype == torch.bfloat16 for p in sampler.model.parameters())
+    buffers = [b for b in sampler.model.buffers() if b.is_floating_point()]  # the rotary frequencies
+    assert buffers and all(b.dtype == torch.float32 for b in buffers)  # as in a model loaded in bfloat16
     with model.disable_adapter():
         sampler.update_weights(model)
     base = sampling.load_policy(str(tiny_model_dir), "cpu", torch.bfloat16)[0].state_dict()
