@@ -503,12 +503,48 @@ def accuracy_by_minute(groups: dict[str, list[tuple[list[float], list[float]]]])
     return lines
 
 
+def plateau_change(runs: list[tuple[list[float], list[float]]], checkpoints: int = 2) -> tuple[int, int, float]:
+    """Whether a setting has plateaued: its seed-mean accuracy at the last `checkpoints` + 1 whole
+    minutes that all its runs reached, and how far it moved among them (max - min). Returns (the
+    first and last of those minutes, the change). The reproduction's plateau rule: a change below 0.02."""
+    last = common_minutes({"": runs})
+    first = max(0, last - checkpoints)
+    means, _ = across_seeds(runs, [60.0 * k for k in range(first, last + 1)])
+    return first, last, max(means) - min(means)
+
+
+def read_metrics(run: Path) -> list[dict]:
+    """A run's metrics.jsonl rows (empty when it has none)."""
+    path = run / "metrics.jsonl"
+    return [r for r in map(train.parse_row, path.read_text().splitlines()) if r] if path.exists() else []
+
+
+def learning_onsets(run_dirs: list[Path], threshold: float = 0.5, window: int = 3) -> list[str]:
+    """When each run started to learn, from metrics.jsonl alone, to tell seeds that learn late from
+    seeds that never learn: the first training minute at which train accuracy (the mean over the
+    last `window` steps) reached `threshold`, the share of completions cut at --max-new-tokens at
+    the start, at that moment and over the last 10% of steps, and the train accuracy then."""
+    lines = [f"{'run':<28}{'onset min':>10}{'truncated: start -> onset -> end':>34}{'end accuracy':>14}"]
+    for run in run_dirs:
+        rows = read_metrics(run)
+        if not rows or not {"accuracy", "truncated_frac"} <= rows[0].keys():
+            continue
+        trailing = [np.mean([r["accuracy"] for r in rows[max(0, i - window + 1) : i + 1]]) for i in range(len(rows))]
+        onset = next((i for i, a in enumerate(trailing) if a >= threshold), None)
+        tenth = max(1, len(rows) // 10)
+        start, end = (float(np.mean([r["truncated_frac"] for r in part])) for part in (rows[:tenth], rows[-tenth:]))
+        at_onset = "-" if onset is None else f"{np.mean([r['truncated_frac'] for r in rows[max(0, onset - window + 1) : onset + 1]]):.2f}"
+        when = "never" if onset is None else f"{rows[onset]['elapsed_s'] / 60:.1f}"
+        accuracy = float(np.mean([r["accuracy"] for r in rows[-tenth:]]))
+        lines.append(f"{run.name:<28}{when:>10}{f'{start:.2f} -> {at_onset} -> {end:.2f}':>34}{accuracy:>14.2f}")
+    return lines if len(lines) > 1 else []
+
+
 def step_costs(run_dirs: list[Path]) -> list[str]:
     """What a step cost in each run (means over its metrics.jsonl): the time side of the comparison."""
     lines = [f"{'run':<28}{'steps':>7}{'generation s':>14}{'update s':>10}{'step s':>8}"]
     for run in run_dirs:
-        path = run / "metrics.jsonl"
-        rows = [r for r in map(train.parse_row, path.read_text().splitlines()) if r] if path.exists() else []
+        rows = read_metrics(run)
         if rows:
             generation, update = (float(np.mean([r[k] for r in rows])) for k in ("generation_s", "update_s"))
             lines.append(f"{run.name:<28}{len(rows):>7}{generation:>14.1f}{update:>10.1f}{rows[-1]['elapsed_s'] / len(rows):>8.1f}")
@@ -532,8 +568,7 @@ def plot_training(run_dirs: list[Path], out: Path, smooth: int = 5) -> str:
     fig, axes = plt.subplots(1, len(TRAINING_PANELS), figsize=(4 * len(TRAINING_PANELS), 3.4))
     lines = [f"{'run':<36}{'steps':>7}{'minutes':>9}{'s/step':>8}{'accuracy, first -> last 10%':>30}"]
     for run in run_dirs:
-        path = run / "metrics.jsonl"
-        rows = [r for r in (train.parse_row(line) for line in path.read_text().splitlines()) if r] if path.exists() else []
+        rows = read_metrics(run)
         if not rows:
             raise EvalError(f"{run} has no metrics.jsonl rows: pass a run's --out-dir")
         minutes = np.array([r["elapsed_s"] for r in rows]) / 60
@@ -601,9 +636,13 @@ def plot(run_dirs: list[Path], out: Path, dataset: str | None, baseline: str | N
         else:
             speed = f"{t_base / t:.2f}x" if t > 0 else "at start"
             lines.append(f"{label:<36}{t / 60:>20.1f} min{speed:>10}")
-    costs = step_costs(run_dirs)
+    first, last, change = plateau_change(groups[baseline])
+    lines.append(f"{baseline}'s seed mean moved {change:.3f} over its last whole minutes ({first}-{last} min): "
+                 + ("a plateau by the rule (< 0.02)" if change < 0.02 else "still moving (the plateau rule is < 0.02)"))
+    costs, onsets = step_costs(run_dirs), learning_onsets(run_dirs)
     return "\n".join(lines + ["", "test accuracy (mean +- standard error over seeds)", *accuracy_by_minute(groups)]
-                     + ["", *seed_statistics(groups, seeds_by_label, baseline, frac)] + ([""] + costs if costs else []))
+                     + ["", *seed_statistics(groups, seeds_by_label, baseline, frac)] + ([""] + costs if costs else [])
+                     + (["", "when each run started to learn (train accuracy over 3 steps first >= 0.5)", *onsets] if onsets else []))
 
 
 # ----------------------------------------------------------------------------- CLI

@@ -1271,6 +1271,32 @@ def test_accuracy_by_minute_is_the_mean_and_standard_error_over_seeds_at_whole_m
     assert pods_row.split()[-7:] == ["0.500", "+-", "0.000", "0.500", "+-", "0.000", "0.500"]
 
 
+def test_plateau_change_is_the_seed_mean_movement_over_the_last_whole_minutes():
+    rising = [([0, 60, 120, 180, 240], [0.1, 0.5, 0.8, 0.9, 0.95])]
+    assert evaluation.plateau_change(rising) == pytest.approx((2, 4, 0.15))  # 0.8 at 2 min, 0.95 at 4 min
+    # two seeds that cross: each moves 0.2, their mean stays at 0.8 (interpolated at whole minutes)
+    crossing = [([0, 60, 120, 180, 250], [0.1, 0.5, 0.7, 0.8, 0.9]), ([0, 60, 120, 180, 250], [0.1, 0.6, 0.9, 0.8, 0.7])]
+    assert evaluation.plateau_change(crossing) == pytest.approx((2, 4, 0.0), abs=1e-9)
+    assert evaluation.plateau_change([([0, 90], [0.1, 0.4])]) == pytest.approx((0, 1, 0.2))  # 0.1 -> 0.3 at 1 min
+
+
+def test_learning_onsets_tell_a_seed_that_learns_late_from_one_that_never_does(tmp_path):
+    def metrics(name: str, accuracies: list[float], truncated: list[float]) -> Path:
+        run = tmp_path / name
+        run.mkdir()
+        (run / "metrics.jsonl").write_text("".join(
+            json.dumps({"step": i + 1, "elapsed_s": 30.0 * (i + 1), "accuracy": a, "truncated_frac": t}) + "\n"
+            for i, (a, t) in enumerate(zip(accuracies, truncated))))
+        return run
+    late = metrics("late", [0.1] * 6 + [0.6, 0.9, 0.9, 1.0], [1.0] * 6 + [0.5, 0.0, 0.0, 0.0])
+    never = metrics("never", [0.1, 0.2] * 5, [0.9] * 10)
+    header, late_row, never_row = evaluation.learning_onsets([late, never, tmp_path / "no-metrics"])
+    # trailing means over 3 steps: 0.27 at step 7, 0.53 at step 8 (4.0 min); truncated then: (1 + 0.5 + 0) / 3
+    assert late_row.split() == ["late", "4.0", "1.00", "->", "0.50", "->", "0.00", "1.00"]
+    assert never_row.split() == ["never", "never", "0.90", "->", "-", "->", "0.90", "0.20"]
+    assert "onset min" in header
+
+
 def test_plot_with_nothing_to_compare_exits_2(tmp_path, capsys):
     a = fake_run(tmp_path, "a", "none", 8, 8, [(0, 0.2), (60, 0.3)])
     b = fake_run(tmp_path, "b", "none", 8, 8, [(0, 0.2), (60, 0.4)])

@@ -90,7 +90,8 @@ def grpo_config(out_dir, **overrides):
     return GRPOConfig(output_dir=str(out_dir), **(settings | overrides))
 
 
-def make_trainer(trl_pods, model_dir, out_dir, m=M, reward_funcs=(task_reward, length_reward), varied_lengths=False, **config):
+def make_trainer(trl_pods, model_dir, out_dir, m=M, reward_funcs=(task_reward, length_reward), varied_lengths=False,
+                 rule="max_variance", **config):
     from peft import LoraConfig
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
@@ -104,7 +105,7 @@ def make_trainer(trl_pods, model_dir, out_dir, m=M, reward_funcs=(task_reward, l
                       init_lora_weights=False)
     return trl_pods.PODSGRPOTrainer(model=model, reward_funcs=list(reward_funcs), args=grpo_config(out_dir, **config),
                                     train_dataset=arith_dataset(16), processing_class=AutoTokenizer.from_pretrained(model_dir),
-                                    peft_config=lora, m=m)
+                                    peft_config=lora, m=m, rule=rule)
 
 
 def rows(batch: dict) -> Counter:
@@ -165,6 +166,29 @@ def test_check_trl_fails_with_one_line_naming_the_tested_version(trl_pods):
     with pytest.raises(RuntimeError, match=r"^the generation batch has entries \['pixel_values'\] .* tested with trl 1.16.0"):
         trl_pods.PODSGRPOTrainer.downsample_batch(None, {"prompt_ids": torch.zeros(4, 1), "pixel_values": torch.zeros(4)},
                                                   torch.zeros(4))
+
+
+def test_a_bad_setting_fails_before_the_model_loads(trl_pods, tmp_path):
+    with pytest.raises(ValueError, match="^m=1 must be between 2"):  # not the hub error an unknown model would give
+        trl_pods.PODSGRPOTrainer(model=str(tmp_path / "no-such-model"), reward_funcs=[task_reward], args=grpo_config(tmp_path), m=1)
+
+
+def test_the_random_rule_draws_the_same_rows_after_a_resume(trl_pods, tiny_model_dir, tmp_path, monkeypatch):
+    drawn = []
+    downsample = pods.downsample
+
+    def spy(rewards, m, rule, **kwargs):
+        drawn.append(downsample(rewards, m, rule, **kwargs))
+        return drawn[-1]
+
+    monkeypatch.setattr(pods, "downsample", spy)
+    checkpoints = {"save_strategy": "steps", "save_steps": 1, "max_steps": 3}
+    make_trainer(trl_pods, tiny_model_dir, tmp_path / "whole", rule="random", **checkpoints).train()
+    whole, drawn[:] = list(drawn), []
+    assert len(whole) == 3 and len({tuple(d) for d in whole}) > 1  # one draw per step, not the same rows each time
+    make_trainer(trl_pods, tiny_model_dir, tmp_path / "whole", rule="random", **checkpoints).train(
+        resume_from_checkpoint=str(tmp_path / "whole" / "checkpoint-1"))
+    assert drawn == whole[1:]  # steps 2 and 3 again, with the same rows
 
 
 # ----------------------------------------------------------------------------- same math as the project's trainer

@@ -74,7 +74,7 @@ TRL_METHODS = {
     "_prepare_inputs": ["self", "generation_batch"],
 }
 # GRPOTrainer attributes read here, all set by trl 1.16.0's __init__
-TRL_ATTRIBUTES = ("num_generations", "reward_weights", "scale_rewards", "multi_objective_aggregation", "_metrics")
+TRL_ATTRIBUTES = ("num_generations", "reward_weights", "scale_rewards", "multi_objective_aggregation", "_metrics", "_step")
 
 
 def version_error(what: str) -> str:
@@ -122,14 +122,24 @@ class PODSGRPOTrainer(GRPOTrainer):
     """
 
     def __init__(self, *args, m: int, rule: str = "max_variance", **kwargs):
+        config = kwargs.get("args", args[2] if len(args) > 2 else None)
+        if config is not None:
+            check_config(config, m, rule)  # before the model loads; again below for TRL's default config
         super().__init__(*args, **kwargs)
         missing = [name for name in TRL_ATTRIBUTES if not hasattr(self, name)]
         if missing:
             raise RuntimeError(version_error(f"GRPOTrainer has no {', '.join(missing)}"))
         check_config(self.args, m, rule)
         self.m, self.rule = m, rule
-        self.pods_rng = np.random.default_rng(self.args.seed + self.accelerator.process_index)  # the random rule's
         self.rewards_per_func = None  # the last generation batch's rewards, every process's rows
+
+    def selection_rng(self) -> np.random.Generator:
+        """The random rule's generator for this generation batch: a function of the seed, the process
+        and the place in training (optimizer step, micro-step within it), so a resumed run draws what
+        the uninterrupted one would have (TRL checkpoints global_step, and restarts its micro-step
+        counter _step at 0, which is a step boundary)."""
+        micro_step = self._step % self.args.gradient_accumulation_steps
+        return np.random.default_rng([self.args.seed, self.accelerator.process_index, self.state.global_step, micro_step])
 
     def _calculate_rewards(self, inputs, prompts, completions, completion_ids_list):
         self.rewards_per_func = super()._calculate_rewards(inputs, prompts, completions, completion_ids_list)
@@ -158,7 +168,7 @@ class PODSGRPOTrainer(GRPOTrainer):
             raise RuntimeError(f"the generation batch has entries {sorted(unknown)} that trl_pods cannot down-sample: multimodal "
                                f"prompts are not supported, and trl_pods was tested with trl {TESTED_TRL} (found {trl.__version__})")
         n, m = self.num_generations, self.m
-        keep = torch.tensor(pods.downsample(rewards, m, self.rule, group_size=n, rng=self.pods_rng), device=rewards.device)
+        keep = torch.tensor(pods.downsample(rewards, m, self.rule, group_size=n, rng=self.selection_rng()), device=rewards.device)
         kept = {key: value[keep] for key, value in batch.items() if key in ROW_KEYS}
         kept_rewards = rewards[keep].view(-1, m)
         kept["advantages"] = grpo.group_advantages(kept_rewards).view(-1)  # A_i = (r_i - mean) / (std + 1e-4), kept only

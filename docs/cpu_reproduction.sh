@@ -14,12 +14,14 @@
 #   bash docs/cpu_reproduction.sh                  # everything; BUDGET=3 minutes of training per run
 #   STAGES=report bash docs/cpu_reproduction.sh    # only redraw figures and tables from docs/cpu/
 #
-# PLAN=plateau: the comparisons run to GRPO's plateau (BUDGET=10 minutes a run, from the probe in
+# PLAN=plateau: the comparisons run to GRPO's plateau (BUDGET=15 minutes a run, from the probe in
 # docs/cpu-reproduction.md), with SEEDS="0 1 2 3 4 5" paired seeds, into runs/cpu-plateau and
-# docs/cpu-plateau/: ~6 hours on 2 cores (24 runs of 10 minutes, then ~4 minutes of evaluation
+# docs/cpu-plateau/: ~10 hours on 2 cores (28 runs of 15 minutes, then ~8 minutes of evaluation
 # each), meant to run in parts (Ctrl-C, then the same command continues):
 #   1. equal rollouts generated (the paper's multi-GPU setting): GRPO n=8 against PODS n=8 m=4
 #   2. equal rollouts updated (its single-GPU setting): GRPO n=4 against PODS n=16 m=4
+#   3. n at m=4 (from 1 and 2): GRPO n=4, PODS n=8 m=4, PODS n=16 m=4     (6 seeds)
+#   4. rules at n=8 m=4: max-variance (from 1), max-reward, random            (ABLATION_SEEDS="0 1")
 #   PLAN=plateau bash docs/cpu_reproduction.sh
 #
 # Resumable: a finished run (its budget reached) is not redone, an interrupted one continues from its
@@ -29,6 +31,7 @@ cd "$(dirname "$0")/.."
 PLAN=${PLAN:-first}
 if [ "$PLAN" = plateau ]; then
   BUDGET=${BUDGET:-15}; OUT=${OUT:-runs/cpu-plateau}; KEEP=docs/cpu-plateau; SEEDS=${SEEDS:-"0 1 2 3 4 5"}
+  ABLATION_SEEDS=${ABLATION_SEEDS:-"0 1"}
 else
   BUDGET=${BUDGET:-3}; OUT=${OUT:-runs/cpu}; KEEP=docs/cpu
 fi
@@ -68,6 +71,10 @@ if [ "$PLAN" = plateau ]; then
     plan grpo-n4-s$seed --seed $seed --rule none --n 4                      # 2: GRPO on n = m = 4
     plan pods-n16-m4-s$seed --seed $seed --rule max_variance --n 16 --m 4   # 2: PODS keeps 4 of 16
   done
+  for seed in $ABLATION_SEEDS; do  # after the comparisons: lower-powered
+    plan maxreward-n8-m4-s$seed --seed $seed --rule max_reward --n 8 --m 4  # 4: the other rules
+    plan random-n8-m4-s$seed --seed $seed --rule random --n 8 --m 4
+  done
 else
 for seed in 0 1 2; do
   plan grpo-n8-s$seed --seed $seed --rule none --n 8                       # 1: GRPO on all 8
@@ -83,7 +90,8 @@ done
 fi
 trained=$(date +%s)
 
-evaluate() {
+evaluate() {  # a run still training (run in parts) waits for a later invocation
+  if ! finished "$OUT/$1"; then echo "not evaluated yet: $1 has not finished training"; return; fi
   python eval.py "$OUT/$1" $EVAL
   mkdir -p "$KEEP/$1"
   cp "$OUT/$1"/{config.json,metrics.jsonl,eval-arith-2.json} "$KEEP/$1/"
@@ -95,10 +103,15 @@ fi
 evaluated=$(date +%s)
 
 if [[ " $STAGES " == *" report "* ]]; then
-  plot() { local name=$1; shift; python eval.py --plot "$@" --dataset $TASK --out "docs/cpu_$name.png" | tee "docs/cpu_$name.txt"; }
+  shopt -s nullglob  # a part-way report draws what has been evaluated; a comparison short of runs is named and left as it was
+  plot() { local name=$1; shift; python eval.py --plot "$@" --dataset $TASK --out "docs/cpu_$name.png" > "docs/cpu_$name.txt.new" \
+             && mv "docs/cpu_$name.txt.new" "docs/cpu_$name.txt" && cat "docs/cpu_$name.txt" \
+             || { rm -f "docs/cpu_$name.txt.new"; echo "not drawn yet: docs/cpu_$name (see the line above)"; }; }
   if [ "$PLAN" = plateau ]; then
     plot plateau_equal_rollouts "$KEEP"/grpo-n8-s* "$KEEP"/pods-n8-m4-s*
     plot plateau_equal_updates "$KEEP"/grpo-n4-s* "$KEEP"/pods-n16-m4-s*
+    plot plateau_n_ablation "$KEEP"/grpo-n4-s* "$KEEP"/pods-n8-m4-s* "$KEEP"/pods-n16-m4-s*
+    plot plateau_rules "$KEEP"/pods-n8-m4-s[01] "$KEEP"/maxreward-n8-m4-s* "$KEEP"/random-n8-m4-s* --baseline "PODS max_variance n=8 m=4"
   else
   plot equal_rollouts "$KEEP"/grpo-n8-s* "$KEEP"/pods-n8-m4-s* "$KEEP"/pods-n8-m2-s*
   plot rules "$KEEP"/pods-n8-m2-s[01] "$KEEP"/maxreward-n8-m2-s* "$KEEP"/random-n8-m2-s* --baseline "PODS max_variance n=8 m=2"
