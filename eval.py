@@ -412,6 +412,25 @@ def seed_statistics(groups: dict[str, list[tuple[list[float], list[float]]]], se
     return lines
 
 
+SENSITIVITY_FRACS = (0.8, 0.9, 0.95, TARGET_FRAC)
+
+
+def speedup_by_target(groups: dict[str, list[tuple[list[float], list[float]]]], baseline: str,
+                      fracs: tuple[float, ...] = SENSITIVITY_FRACS) -> list[str]:
+    """The speed-up of every setting over the baseline at several targets (shares of the baseline's
+    peak), each with its 95% bootstrap interval: near the ceiling a checkpoint's noise decides which
+    run first reaches 0.99 x a peak that is itself the highest of noisy checkpoints, so the rule's
+    sensitivity to its target is part of the result."""
+    lines = [f"speed-up by target (a share of {baseline}'s peak), 95% bootstrap interval over seeds",
+             f"{'run':<36}" + "".join(f"{f'{frac:g} x peak':>22}" for frac in fracs)]
+    for label, runs in groups.items():
+        if label != baseline:
+            boots = [bootstrap_speedup(groups[baseline], runs, frac) for frac in fracs]
+            cells = [f"{b['speedup']:.2f}x [{b['low']:.2f}, {b['high']:.2f}]" for b in boots]
+            lines.append(f"{label:<36}" + "".join(f"{cell:>22}" for cell in cells))
+    return lines
+
+
 def label_of(config: dict) -> str:
     """A run's legend label from its config.json: rule, n and m."""
     if config["rule"] == "none":
@@ -641,7 +660,8 @@ def plot(run_dirs: list[Path], out: Path, dataset: str | None, baseline: str | N
                  + ("a plateau by the rule (< 0.02)" if change < 0.02 else "still moving (the plateau rule is < 0.02)"))
     costs, onsets = step_costs(run_dirs), learning_onsets(run_dirs)
     return "\n".join(lines + ["", "test accuracy (mean +- standard error over seeds)", *accuracy_by_minute(groups)]
-                     + ["", *seed_statistics(groups, seeds_by_label, baseline, frac)] + ([""] + costs if costs else [])
+                     + ["", *seed_statistics(groups, seeds_by_label, baseline, frac)]
+                     + ["", *speedup_by_target(groups, baseline)] + ([""] + costs if costs else [])
                      + (["", "when each run started to learn (train accuracy over 3 steps first >= 0.5)", *onsets] if onsets else []))
 
 

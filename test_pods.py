@@ -1271,6 +1271,15 @@ def test_accuracy_by_minute_is_the_mean_and_standard_error_over_seeds_at_whole_m
     assert pods_row.split()[-7:] == ["0.500", "+-", "0.000", "0.500", "+-", "0.000", "0.500"]
 
 
+def test_speedup_by_target_on_constructed_curves_with_known_answers():
+    groups = {"GRPO n=8": [([0, 60, 120, 180], [0.1, 0.5, 0.8, 1.0])],
+              "PODS max_variance n=8 m=4": [([0, 60, 120], [0.1, 0.8, 1.0])]}
+    header, columns, row = evaluation.speedup_by_target(groups, "GRPO n=8", fracs=(0.8, 0.9, 0.99))
+    assert columns.split()[1:] == ["0.8", "x", "peak", "0.9", "x", "peak", "0.99", "x", "peak"]
+    # 0.8: GRPO at 120 s, PODS at 60 s; 0.9 and 0.99: GRPO at 180 s, PODS at 120 s (one seed: no spread)
+    assert row.split()[4:] == ["2.00x", "[2.00,", "2.00]", "1.50x", "[1.50,", "1.50]", "1.50x", "[1.50,", "1.50]"]
+
+
 def test_plateau_change_is_the_seed_mean_movement_over_the_last_whole_minutes():
     rising = [([0, 60, 120, 180, 240], [0.1, 0.5, 0.8, 0.9, 0.95])]
     assert evaluation.plateau_change(rising) == pytest.approx((2, 4, 0.15))  # 0.8 at 2 min, 0.95 at 4 min

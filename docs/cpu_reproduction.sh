@@ -16,13 +16,16 @@
 #
 # PLAN=plateau: the comparisons run to GRPO's plateau (BUDGET=15 minutes a run, from the probe in
 # docs/cpu-reproduction.md), with SEEDS="0 1 2 3 4 5" paired seeds, into runs/cpu-plateau and
-# docs/cpu-plateau/: ~10 hours on 2 cores (28 runs of 15 minutes, then ~8 minutes of evaluation
+# docs/cpu-plateau/: ~9.5 hours on 2 cores (28 runs of 15 minutes, then ~4.5 minutes of evaluation
 # each), meant to run in parts (Ctrl-C, then the same command continues):
 #   1. equal rollouts generated (the paper's multi-GPU setting): GRPO n=8 against PODS n=8 m=4
 #   2. equal rollouts updated (its single-GPU setting): GRPO n=4 against PODS n=16 m=4
 #   3. n at m=4 (from 1 and 2): GRPO n=4, PODS n=8 m=4, PODS n=16 m=4     (6 seeds)
 #   4. rules at n=8 m=4: max-variance (from 1), max-reward, random            (ABLATION_SEEDS="0 1")
 #   PLAN=plateau bash docs/cpu_reproduction.sh
+# or a seed at a time, each trained, evaluated and reported before the next (a part-way report at any stop):
+#   for s in 0 1 2 3 4 5; do PLAN=plateau SEEDS=$s ABLATION_SEEDS= bash docs/cpu_reproduction.sh; done
+#   PLAN=plateau SEEDS= bash docs/cpu_reproduction.sh          # then the ablations
 #
 # Resumable: a finished run (its budget reached) is not redone, an interrupted one continues from its
 # last checkpoint, and evaluated checkpoints are skipped.
@@ -30,8 +33,8 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 PLAN=${PLAN:-first}
 if [ "$PLAN" = plateau ]; then
-  BUDGET=${BUDGET:-15}; OUT=${OUT:-runs/cpu-plateau}; KEEP=docs/cpu-plateau; SEEDS=${SEEDS:-"0 1 2 3 4 5"}
-  ABLATION_SEEDS=${ABLATION_SEEDS:-"0 1"}
+  BUDGET=${BUDGET:-15}; OUT=${OUT:-runs/cpu-plateau}; KEEP=docs/cpu-plateau; SEEDS=${SEEDS-"0 1 2 3 4 5"}
+  ABLATION_SEEDS=${ABLATION_SEEDS-"0 1"}  # ABLATION_SEEDS= (empty): none
 else
   BUDGET=${BUDGET:-3}; OUT=${OUT:-runs/cpu}; KEEP=docs/cpu
 fi
