@@ -541,8 +541,8 @@ def read_metrics(run: Path) -> list[dict]:
 def learning_onsets(run_dirs: list[Path], threshold: float = 0.5, window: int = 3) -> list[str]:
     """When each run started to learn, from metrics.jsonl alone, to tell seeds that learn late from
     seeds that never learn: the first training minute at which train accuracy (the mean over the
-    last `window` steps) reached `threshold`, the share of completions cut at --max-new-tokens at
-    the start, at that moment and over the last 10% of steps, and the train accuracy then."""
+    last `window` steps) reached `threshold`, the share of completions cut at --max-new-tokens over
+    the first `window` steps, at that moment and over the last 10% of steps, and the train accuracy then."""
     lines = [f"{'run':<28}{'onset min':>10}{'truncated: start -> onset -> end':>34}{'end accuracy':>14}"]
     for run in run_dirs:
         rows = read_metrics(run)
@@ -551,7 +551,7 @@ def learning_onsets(run_dirs: list[Path], threshold: float = 0.5, window: int = 
         trailing = [np.mean([r["accuracy"] for r in rows[max(0, i - window + 1) : i + 1]]) for i in range(len(rows))]
         onset = next((i for i, a in enumerate(trailing) if a >= threshold), None)
         tenth = max(1, len(rows) // 10)
-        start, end = (float(np.mean([r["truncated_frac"] for r in part])) for part in (rows[:tenth], rows[-tenth:]))
+        start, end = (float(np.mean([r["truncated_frac"] for r in part])) for part in (rows[:window], rows[-tenth:]))
         at_onset = "-" if onset is None else f"{np.mean([r['truncated_frac'] for r in rows[max(0, onset - window + 1) : onset + 1]]):.2f}"
         when = "never" if onset is None else f"{rows[onset]['elapsed_s'] / 60:.1f}"
         accuracy = float(np.mean([r["accuracy"] for r in rows[-tenth:]]))

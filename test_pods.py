@@ -1297,11 +1297,12 @@ def test_learning_onsets_tell_a_seed_that_learns_late_from_one_that_never_does(t
             json.dumps({"step": i + 1, "elapsed_s": 30.0 * (i + 1), "accuracy": a, "truncated_frac": t}) + "\n"
             for i, (a, t) in enumerate(zip(accuracies, truncated))))
         return run
-    late = metrics("late", [0.1] * 6 + [0.6, 0.9, 0.9, 1.0], [1.0] * 6 + [0.5, 0.0, 0.0, 0.0])
+    late = metrics("late", [0.1] * 6 + [0.6, 0.9, 0.9, 1.0], [0.7] + [1.0] * 5 + [0.5, 0.0, 0.0, 0.0])
     never = metrics("never", [0.1, 0.2] * 5, [0.9] * 10)
     header, late_row, never_row = evaluation.learning_onsets([late, never, tmp_path / "no-metrics"])
-    # trailing means over 3 steps: 0.27 at step 7, 0.53 at step 8 (4.0 min); truncated then: (1 + 0.5 + 0) / 3
-    assert late_row.split() == ["late", "4.0", "1.00", "->", "0.50", "->", "0.00", "1.00"]
+    # trailing means over 3 steps: 0.27 at step 7, 0.53 at step 8 (4.0 min); truncated over the first 3 steps
+    # (0.7 + 1 + 1) / 3, then (1 + 0.5 + 0) / 3, and 0 over the last step (10% of 10)
+    assert late_row.split() == ["late", "4.0", "0.90", "->", "0.50", "->", "0.00", "1.00"]
     assert never_row.split() == ["never", "never", "0.90", "->", "-", "->", "0.90", "0.20"]
     assert "onset min" in header
 
