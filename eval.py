@@ -538,6 +538,12 @@ def read_metrics(run: Path) -> list[dict]:
     return [r for r in map(train.parse_row, path.read_text().splitlines()) if r] if path.exists() else []
 
 
+def trailing_mean(values, window: int) -> np.ndarray:
+    """At each step, the mean of the last `window` values up to it (fewer at the start; NaNs ignored)."""
+    values = np.asarray(values, dtype=float)
+    return np.array([np.nanmean(values[max(0, i - window + 1) : i + 1]) for i in range(len(values))])
+
+
 def learning_onsets(run_dirs: list[Path], threshold: float = 0.5, window: int = 3) -> list[str]:
     """When each run started to learn, from metrics.jsonl alone, to tell seeds that learn late from
     seeds that never learn: the first training minute at which train accuracy (the mean over the
@@ -548,14 +554,14 @@ def learning_onsets(run_dirs: list[Path], threshold: float = 0.5, window: int = 
         rows = read_metrics(run)
         if not rows or not {"accuracy", "truncated_frac"} <= rows[0].keys():
             continue
-        trailing = [np.mean([r["accuracy"] for r in rows[max(0, i - window + 1) : i + 1]]) for i in range(len(rows))]
-        onset = next((i for i, a in enumerate(trailing) if a >= threshold), None)
+        accuracy, truncated = (trailing_mean([r[key] for r in rows], window) for key in ("accuracy", "truncated_frac"))
+        onset = next((i for i, a in enumerate(accuracy) if a >= threshold), None)
         tenth = max(1, len(rows) // 10)
         start, end = (float(np.mean([r["truncated_frac"] for r in part])) for part in (rows[:window], rows[-tenth:]))
-        at_onset = "-" if onset is None else f"{np.mean([r['truncated_frac'] for r in rows[max(0, onset - window + 1) : onset + 1]]):.2f}"
+        at_onset = "-" if onset is None else f"{truncated[onset]:.2f}"
         when = "never" if onset is None else f"{rows[onset]['elapsed_s'] / 60:.1f}"
-        accuracy = float(np.mean([r["accuracy"] for r in rows[-tenth:]]))
-        lines.append(f"{run.name:<28}{when:>10}{f'{start:.2f} -> {at_onset} -> {end:.2f}':>34}{accuracy:>14.2f}")
+        final = float(np.mean([r["accuracy"] for r in rows[-tenth:]]))
+        lines.append(f"{run.name:<28}{when:>10}{f'{start:.2f} -> {at_onset} -> {end:.2f}':>34}{final:>14.2f}")
     return lines if len(lines) > 1 else []
 
 
@@ -595,8 +601,7 @@ def plot_training(run_dirs: list[Path], out: Path, smooth: int = 5) -> str:
         for ax, (key, title) in zip(axes, TRAINING_PANELS):
             values = np.array([r["elapsed_s"] - prev["elapsed_s"] if key == "step_s" else r.get(key, np.nan)
                                for prev, r in zip([{"elapsed_s": 0.0}] + rows[:-1], rows)], dtype=float)
-            trailing = [np.nanmean(values[max(0, i - smooth + 1) : i + 1]) for i in range(len(values))]
-            line, = ax.plot(minutes, trailing, label=label, linewidth=1.5)
+            line, = ax.plot(minutes, trailing_mean(values, smooth), label=label, linewidth=1.5)
             ax.plot(minutes, values, color=line.get_color(), alpha=0.25, linewidth=0.8)
             ax.set_title(title, fontsize=10)
             ax.set_xlabel("training minutes")
