@@ -20,9 +20,9 @@ import logging
 import os
 import random
 import socket
-from urllib.parse import urlparse
 from dataclasses import dataclass
 from pathlib import Path
+from urllib.parse import urlparse
 
 from rewards import normalize_number, parse_gsm8k_solution
 

@@ -43,6 +43,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
+import checkpoint
 import data
 import rewards
 import sampling
@@ -104,7 +105,7 @@ def find_targets(path: str) -> tuple[str, list[Target], Path | None]:
     if (p / "adapter_config.json").exists():
         return base_model_of(p), [target_of(p)], None
     if p.is_dir() and (p / "config.json").exists() and json.loads((p / "config.json").read_text()).get("model_resolved"):
-        found = [c for c in train.checkpoints(p) if (c / "adapter_config.json").exists()]
+        found = [c for c in checkpoint.find(p) if (c / "adapter_config.json").exists()]
         if not found:
             raise EvalError(f"{p} has no checkpoint-STEP directories yet; train first or wait for the first save")
         return base_model_of(found[0]), [Target(BASE, None)] + [target_of(c) for c in found], p
@@ -113,18 +114,18 @@ def find_targets(path: str) -> tuple[str, list[Target], Path | None]:
     return path, [Target(BASE, None)], None
 
 
-def target_of(checkpoint: Path) -> Target:
-    state_file = checkpoint / "trainer_state.json"
+def target_of(path: Path) -> Target:
+    state_file = path / "trainer_state.json"
     state = json.loads(state_file.read_text()) if state_file.exists() else {}
-    return Target(checkpoint.name, checkpoint, state.get("step", 0), state.get("elapsed_s", 0.0))
+    return Target(path.name, path, state.get("step", 0), state.get("elapsed_s", 0.0))
 
 
-def base_model_of(checkpoint: Path) -> str:
+def base_model_of(path: Path) -> str:
     """The model a checkpoint's adapter belongs to: the run's config.json, else the adapter's."""
-    trained = run_config(str(checkpoint))
+    trained = run_config(str(path))
     if trained:
         return trained["model_resolved"]
-    return json.loads((checkpoint / "adapter_config.json").read_text())["base_model_name_or_path"]
+    return json.loads((path / "adapter_config.json").read_text())["base_model_name_or_path"]
 
 
 # ----------------------------------------------------------------------------- scoring
@@ -534,8 +535,7 @@ def plateau_change(runs: list[tuple[list[float], list[float]]], checkpoints: int
 
 def read_metrics(run: Path) -> list[dict]:
     """A run's metrics.jsonl rows (empty when it has none)."""
-    path = run / "metrics.jsonl"
-    return [r for r in map(train.parse_row, path.read_text().splitlines()) if r] if path.exists() else []
+    return checkpoint.read_rows(run / "metrics.jsonl")
 
 
 def trailing_mean(values, window: int) -> np.ndarray:

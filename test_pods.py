@@ -410,6 +410,7 @@ def test_jsonl_reader_errors_name_the_problem(tmp_path):
 import os  # noqa: E402
 import signal  # noqa: E402
 
+import checkpoint  # noqa: E402
 import sampling  # noqa: E402
 import train  # noqa: E402
 
@@ -555,7 +556,7 @@ def test_default_command_on_a_cpu_takes_the_built_in_task_without_touching_the_n
         assert train.main(argv) == 0
     config = json.loads((out / "config.json").read_text())
     assert config["dataset"] == "arith" and config["device"] == "cpu" and config["share_prompt"] is True
-    assert [p.name for p in train.checkpoints(out)] == ["checkpoint-1"]
+    assert [p.name for p in checkpoint.find(out)] == ["checkpoint-1"]
     assert f"on arith with transformers (a bfloat16 copy, LoRA merged) generation, writing {out}" in caplog.text
 
 
@@ -781,7 +782,7 @@ def test_ctrl_c_or_sigterm_finishes_the_step_saves_and_exits_130(tiny_model_dir,
     out = tmp_path / "run"
     assert train.main(tiny_args(tiny_model_dir, out, "--steps", "5")) == 130
     assert [r["step"] for r in read_metrics(out)] == [1]
-    assert [p.name for p in train.checkpoints(out)] == ["checkpoint-1"]
+    assert [p.name for p in checkpoint.find(out)] == ["checkpoint-1"]
     assert signal.getsignal(signum) == (signal.default_int_handler if signum == signal.SIGINT else signal.SIG_DFL)  # restored
 
 
@@ -838,7 +839,7 @@ def test_an_existing_run_is_not_overwritten_without_resume(tiny_model_dir, tmp_p
     assert train.main(tiny_args(tiny_model_dir, out, "--steps", "1")) == 0
     assert train.main(tiny_args(tiny_model_dir, out, "--steps", "1")) == 2
     assert "already holds a run; pass --resume" in capsys.readouterr().err
-    train.checkpoints(out)[0].rename(out / "gone")  # metrics but no checkpoint (a double Ctrl-C before the first save)
+    checkpoint.find(out)[0].rename(out / "gone")  # metrics but no checkpoint (a double Ctrl-C before the first save)
     assert train.main(tiny_args(tiny_model_dir, out, "--steps", "1")) == 2
     assert "already holds a run; pass --resume" in capsys.readouterr().err
 
@@ -889,7 +890,7 @@ def test_torchrun_two_processes_train_two_steps_then_resume_exactly_at_step_3(ti
     assert done.returncode == 0, done.stderr[-3000:]
     assert [r["step"] for r in read_metrics(out)] == [1, 2]  # rank 0 alone writes, one row per step
     assert json.loads((out / "config.json").read_text())["world_size"] == 2
-    assert [p.name for p in train.checkpoints(out)] == ["checkpoint-2"]
+    assert [p.name for p in checkpoint.find(out)] == ["checkpoint-2"]
     saved = torch.load(out / "checkpoint-2" / "training_state.pt", weights_only=False)
     assert len(saved["random_states"]) == 2  # each rank's generators, for an exact resume
     assert not torch.equal(saved["random_states"][0]["torch"], saved["random_states"][1]["torch"])
@@ -932,7 +933,7 @@ def test_ctrl_c_on_torchrun_stops_both_ranks_after_the_step_with_one_checkpoint(
         launcher.kill()
     steps = [r["step"] for r in read_metrics(out)]
     assert steps == list(range(1, len(steps) + 1))
-    assert [p.name for p in train.checkpoints(out)] == [f"checkpoint-{steps[-1]}"]  # the last finished step, saved once
+    assert [p.name for p in checkpoint.find(out)] == [f"checkpoint-{steps[-1]}"]  # the last finished step, saved once
     assert err.count("interrupted: last checkpoint and metrics are in") == 1
 
 
@@ -1424,7 +1425,7 @@ def test_vllm_ctrl_c_during_generation_finishes_the_step_saves_and_resumes(embed
     run = subprocess.run([sys.executable, "-c", VLLM_CTRL_C_DRIVER, *argv], cwd=Path(__file__).parent, capture_output=True, text=True, timeout=900)
     assert run.returncode == 130, run.stderr[-2000:]
     assert [r["step"] for r in read_metrics(out)] == [1, 2]
-    assert [p.name for p in train.checkpoints(out)] == ["checkpoint-2"]
+    assert [p.name for p in checkpoint.find(out)] == ["checkpoint-2"]
     resumed = subprocess.run([sys.executable, "-c", VLLM_CTRL_C_DRIVER, *argv, "--resume"], cwd=Path(__file__).parent,
                              capture_output=True, text=True, timeout=900)
     assert resumed.returncode == 0, resumed.stderr[-2000:]
@@ -1770,7 +1771,7 @@ def test_gpu_profile_dress_rehearsal_on_a_cpu_trains_saves_and_resumes(tiny_mode
     assert seen == [(True, torch.bfloat16, {torch.float32}, n_lora)] * 2
     config = json.loads((out / "config.json").read_text())
     assert {k: config[k] for k in train.PROFILES["gpu"]} == train.PROFILES["gpu"] | {"steps": 2, "max_new_tokens": 8}
-    assert [p.name for p in train.checkpoints(out)] == ["checkpoint-2"]
+    assert [p.name for p in checkpoint.find(out)] == ["checkpoint-2"]
     adapter = json.loads((out / "checkpoint-2" / "adapter_config.json").read_text())
     assert adapter["r"] == 64 and adapter["lora_alpha"] == 64 and sorted(adapter["target_modules"]) == sorted(train.LORA_TARGETS)
     rows = read_metrics(out)
@@ -1819,11 +1820,11 @@ def test_a_checkpoint_restores_numpys_and_pythons_global_generators(tiny_model_d
     random.seed(5)
     np.random.rand(3)
     state = {"step": 1, "elapsed_s": 1.0, "data_position": 0}
-    path = train.save_checkpoint(tmp_path, model, optimizer, scheduler, state, rng)
+    path = checkpoint.save(tmp_path, model, optimizer, scheduler, state, rng)
     expected = (np.random.rand(4), random.random())
     np.random.seed(999)
     random.seed(999)
-    train.load_checkpoint(path, model, optimizer, scheduler, rng)
+    checkpoint.load(path, model, optimizer, scheduler, rng)
     assert np.array_equal(np.random.rand(4), expected[0]) and random.random() == expected[1]
 
 
@@ -2019,11 +2020,11 @@ def test_a_time_budget_overshot_by_the_last_step_still_saves_and_a_resume_past_i
         assert train.main(tiny_args(tiny_model_dir, out, "--steps", "5", "--time-budget", "0.1")) == 0
     rows = read_metrics(out)
     assert [r["step"] for r in rows] == list(range(1, steps + 1)) and rows[-1]["elapsed_s"] >= 6
-    assert [p.name for p in train.checkpoints(out)] == [f"checkpoint-{steps}"]
+    assert [p.name for p in checkpoint.find(out)] == [f"checkpoint-{steps}"]
     assert "time budget of 0.1 min reached" in caplog.text and "progress bar failed" not in caplog.text
     assert train.main(tiny_args(tiny_model_dir, out, "--steps", "5", "--time-budget", "0.1", "--resume")) == 0
     assert [r["step"] for r in read_metrics(out)] == list(range(1, steps + 1))
-    assert [p.name for p in train.checkpoints(out)] == [f"checkpoint-{steps}"]
+    assert [p.name for p in checkpoint.find(out)] == [f"checkpoint-{steps}"]
 
 
 def test_a_failing_progress_bar_or_metrics_write_does_not_cost_the_checkpoint(tiny_model_dir, tmp_path, monkeypatch, caplog):
@@ -2039,7 +2040,7 @@ def test_a_failing_progress_bar_or_metrics_write_does_not_cost_the_checkpoint(ti
     with caplog.at_level(logging.INFO, logger="pods"):
         assert train.main(tiny_args(tiny_model_dir, out, "--steps", "2")) == 0
     assert "progress bar failed (RuntimeError: terminal gone)" in caplog.text
-    assert [p.name for p in train.checkpoints(out)] == ["checkpoint-2"] and len(read_metrics(out)) == 2
+    assert [p.name for p in checkpoint.find(out)] == ["checkpoint-2"] and len(read_metrics(out)) == 2
 
 
 def test_every_training_flag_reaches_the_run(tiny_model_dir, tmp_path, monkeypatch):
@@ -2062,7 +2063,7 @@ def test_every_training_flag_reaches_the_run(tiny_model_dir, tmp_path, monkeypat
     assert train.main(argv) == 0
     rows = read_metrics(out)
     assert [r["lr"] for r in rows] == pytest.approx([1e-2 / 3, 2e-2 / 3, 1e-2])  # warm-up over all 3 steps
-    assert [p.name for p in train.checkpoints(out)] == ["checkpoint-1", "checkpoint-2", "checkpoint-3"]  # every 61 s
+    assert [p.name for p in checkpoint.find(out)] == ["checkpoint-1", "checkpoint-2", "checkpoint-3"]  # every 61 s
     group = optimizers[0]
     assert (group["betas"], group["weight_decay"]) == ((0.8, 0.95), 0.02)
     assert json.loads((out / "checkpoint-3" / "adapter_config.json").read_text())["lora_alpha"] == 16
@@ -2236,14 +2237,14 @@ def test_a_disk_that_fills_during_a_checkpoint_leaves_the_previous_one_loadable(
             raise OSError(28, "No space left on device")
         return original(obj, path, *args, **kwargs)
 
-    monkeypatch.setattr(train.torch, "save", fills_on_the_second_checkpoint)
+    monkeypatch.setattr(checkpoint.torch, "save", fills_on_the_second_checkpoint)
     out = tmp_path / "run"
     assert train.main(tiny_args(tiny_model_dir, out, "--steps", "4", "--save-every-steps", "1")) == 1
     err = capsys.readouterr().err.strip().splitlines()[-1]
     assert err.startswith("error: could not write checkpoint-2 ([Errno 28] No space left on device); the last complete checkpoint is")
     assert err.endswith("checkpoint-1: free space, then --resume")
-    assert [p.name for p in train.checkpoints(out)] == ["checkpoint-1"] and not list(out.glob(".tmp-*"))
-    monkeypatch.setattr(train.torch, "save", original)
+    assert [p.name for p in checkpoint.find(out)] == ["checkpoint-1"] and not list(out.glob(".tmp-*"))
+    monkeypatch.setattr(checkpoint.torch, "save", original)
     assert train.main(tiny_args(tiny_model_dir, out, "--steps", "3", "--resume")) == 0
     assert [r["step"] for r in read_metrics(out)] == [1, 2, 3]
 
@@ -2254,11 +2255,11 @@ def test_an_incomplete_checkpoint_directory_is_left_out_and_resume_takes_the_las
     assert train.main(tiny_args(tiny_model_dir, out, "--steps", "2", "--save-every-steps", "1")) == 0
     (out / "checkpoint-2" / "training_state.pt").unlink()  # damaged, or copied in part
     with caplog.at_level(logging.INFO, logger="pods"):
-        assert [p.name for p in train.checkpoints(out)] == ["checkpoint-1"]
+        assert [p.name for p in checkpoint.find(out)] == ["checkpoint-1"]
         assert train.main(tiny_args(tiny_model_dir, out, "--steps", "2", "--resume")) == 0
     assert "checkpoint-2 is incomplete (it lacks training_state.pt): not used" in caplog.text
     assert f"resumed from {out / 'checkpoint-1'}: step 1" in caplog.text
-    assert [r["step"] for r in read_metrics(out)] == [1, 2] and [p.name for p in train.checkpoints(out)] == ["checkpoint-1", "checkpoint-2"]
+    assert [r["step"] for r in read_metrics(out)] == [1, 2] and [p.name for p in checkpoint.find(out)] == ["checkpoint-1", "checkpoint-2"]
 
 
 def test_a_malformed_line_in_a_jsonl_dataset_is_skipped_and_reported(tmp_path, caplog):
@@ -2282,7 +2283,7 @@ def test_a_second_ctrl_c_quits_without_saving(tiny_model_dir, tmp_path, monkeypa
     monkeypatch.setattr(train, "policy_update", twice)
     out = tmp_path / "run"
     assert train.main(tiny_args(tiny_model_dir, out, "--steps", "5")) == 130
-    assert train.checkpoints(out) == [] and not (out / "metrics.jsonl").read_text()
+    assert checkpoint.find(out) == [] and not (out / "metrics.jsonl").read_text()
     assert capsys.readouterr().err.strip().splitlines()[-1].startswith("interrupted:")
 
 
@@ -2298,7 +2299,7 @@ def test_ctrl_c_before_step_1_finishes_saves_checkpoint_0_which_resumes(tiny_mod
     monkeypatch.setattr(train, "generate_and_score", engine_dies)
     out = tmp_path / "run"
     assert train.main(tiny_args(tiny_model_dir, out, "--steps", "2")) == 130
-    assert [p.name for p in train.checkpoints(out)] == ["checkpoint-0"]
+    assert [p.name for p in checkpoint.find(out)] == ["checkpoint-0"]
     assert json.loads((out / "checkpoint-0" / "trainer_state.json").read_text())["data_position"] == 0
     monkeypatch.undo()
     monkeypatch.setattr(train.rewards, "reward", length_reward)
@@ -2308,16 +2309,16 @@ def test_ctrl_c_before_step_1_finishes_saves_checkpoint_0_which_resumes(tiny_mod
 
 def test_ctrl_c_during_a_save_lets_the_save_finish_then_stops(tiny_model_dir, tmp_path, monkeypatch):
     monkeypatch.setattr(train.rewards, "reward", length_reward)
-    original = train.save_checkpoint
+    original = checkpoint.save
 
     def interrupted_save(*args, **kwargs):
         os.kill(os.getpid(), signal.SIGINT)
         return original(*args, **kwargs)
 
-    monkeypatch.setattr(train, "save_checkpoint", interrupted_save)
+    monkeypatch.setattr(checkpoint, "save", interrupted_save)
     out = tmp_path / "run"
     assert train.main(tiny_args(tiny_model_dir, out, "--steps", "5", "--save-every-steps", "1")) == 130
-    assert [p.name for p in train.checkpoints(out)] == ["checkpoint-1"] and [r["step"] for r in read_metrics(out)] == [1]
+    assert [p.name for p in checkpoint.find(out)] == ["checkpoint-1"] and [r["step"] for r in read_metrics(out)] == [1]
 
 
 def test_out_of_memory_in_the_update_ends_with_one_line_and_the_last_checkpoint_resumes(tiny_model_dir, tmp_path, monkeypatch, capsys):
@@ -2335,7 +2336,7 @@ def test_out_of_memory_in_the_update_ends_with_one_line_and_the_last_checkpoint_
     assert train.main(tiny_args(tiny_model_dir, out, "--steps", "3", "--save-every-steps", "1")) == 1
     err = capsys.readouterr().err.strip().splitlines()[-1]
     assert err.startswith("error: out of memory; lower --micro-batch") and str(out) in err
-    assert [p.name for p in train.checkpoints(out)] == ["checkpoint-1"]
+    assert [p.name for p in checkpoint.find(out)] == ["checkpoint-1"]
     monkeypatch.setattr(train, "policy_update", original)
     assert train.main(tiny_args(tiny_model_dir, out, "--steps", "3", "--resume")) == 0
     assert [r["step"] for r in read_metrics(out)] == [1, 2, 3]
@@ -2366,14 +2367,14 @@ def test_kill_9_of_a_single_process_then_resume_continues_with_each_step_once(ti
     try:
         deadline = time.time() + 120
         metrics = out / "metrics.jsonl"
-        while not (train.checkpoints(out) and metrics.read_text().count("\n") >= 3):  # checkpoint-2 and a row after it
+        while not (checkpoint.find(out) and metrics.read_text().count("\n") >= 3):  # checkpoint-2 and a row after it
             assert time.time() < deadline and run.poll() is None, "no checkpoint"
             time.sleep(0.1)
         run.send_signal(signal.SIGKILL)
         run.wait(timeout=30)
     finally:
         run.kill()
-    last = int(train.checkpoints(out)[-1].name.split("-")[1])
+    last = int(checkpoint.find(out)[-1].name.split("-")[1])
     done = subprocess.run([sys.executable, script, *tiny_args(tiny_model_dir, out, "--steps", str(last + 2), "--resume")],
                           cwd=Path(__file__).parent, capture_output=True, text=True, timeout=120)
     assert done.returncode == 0, done.stderr[-2000:]

@@ -33,7 +33,6 @@ import logging
 import math
 import os
 import random
-import shutil
 import signal
 import sys
 import time
@@ -44,6 +43,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
+import checkpoint
 import data
 import distributed
 import grpo
@@ -486,85 +486,6 @@ def policy_update(model, optimizer, scheduler, kept: list[sampling.Rollout], adv
     return totals
 
 
-# ----------------------------------------------------------------------------- checkpoints
-
-
-CHECKPOINT_FILES = ("adapter_model.safetensors", "training_state.pt", "trainer_state.json")
-
-
-def checkpoints(out_dir: Path) -> list[Path]:
-    """The complete checkpoint-STEP directories, oldest first. save_checkpoint renames a checkpoint into
-    place only when whole; a directory missing one of its files (copied in part, or damaged) is left out."""
-    found = [p for p in out_dir.glob("checkpoint-*") if p.is_dir() and p.name.split("-")[-1].isdigit()]
-    complete = [p for p in found if all((p / name).is_file() for name in CHECKPOINT_FILES)]
-    for p in sorted(set(found) - set(complete)):
-        log.warning("%s is incomplete (it lacks %s): not used", p, ", ".join(n for n in CHECKPOINT_FILES if not (p / n).is_file()))
-    return sorted(complete, key=lambda p: int(p.name.split("-")[-1]))
-
-
-def random_state(rng: np.random.Generator) -> dict:
-    """This process's random generators: torch (sampling on the hf backend), CUDA, the run's numpy
-    generator (the random rule), and numpy's and Python's global ones: vLLM draws each request's
-    sampling seed from numpy's global generator (Model Runner V2), so without it a resumed run would
-    replay the noise of the run's first steps instead of continuing."""
-    return {"torch": torch.get_rng_state(), "numpy": rng.bit_generator.state,
-            "cuda": torch.cuda.get_rng_state() if torch.cuda.is_available() else None,
-            "numpy_global": np.random.get_state(), "python": random.getstate()}
-
-
-def save_checkpoint(out_dir: Path, model, optimizer, scheduler, state: dict, rng: np.random.Generator,
-                    world: distributed.World = distributed.World()) -> Path:
-    """checkpoint-STEP/: PEFT adapter files, trainer_state.json (step, elapsed_s, data position)
-    and training_state.pt (optimizer, scheduler, every rank's random state). Written aside, then
-    renamed. Under torchrun every rank calls it; rank 0 writes (the adapters and optimizers are
-    identical across ranks), the others wait until the checkpoint is complete."""
-    path = out_dir / f"checkpoint-{state['step']}"
-    random_states = distributed.gather(random_state(rng), world)
-    if world.is_main:
-        tmp = out_dir / f".tmp-{path.name}"
-        shutil.rmtree(tmp, ignore_errors=True)
-        try:
-            distributed.unwrap(model).save_pretrained(tmp)
-            torch.save({"optimizer": optimizer.state_dict(), "scheduler": scheduler.state_dict(), "random_states": random_states},
-                       tmp / "training_state.pt")
-            (tmp / "trainer_state.json").write_text(json.dumps(state, indent=2))
-        except OSError as err:  # a full disk: the previous checkpoints are untouched (only renamed into place when whole)
-            shutil.rmtree(tmp, ignore_errors=True)
-            previous = checkpoints(out_dir)
-            raise TrainingError(f"could not write {path.name} ({err}); the last complete checkpoint is "
-                                f"{previous[-1] if previous else 'none'}: free space, then --resume") from None
-        shutil.rmtree(path, ignore_errors=True)
-        tmp.rename(path)
-    distributed.barrier(world)
-    return path
-
-
-def load_checkpoint(path: Path, model, optimizer, scheduler, rng: np.random.Generator,
-                    world: distributed.World = distributed.World()) -> dict:
-    """Restore a checkpoint into this process; under torchrun, each rank takes its own random state."""
-    from peft import set_peft_model_state_dict
-    from safetensors.torch import load_file
-
-    set_peft_model_state_dict(distributed.unwrap(model), load_file(path / "adapter_model.safetensors"))
-    # map_location: tensors saved from rank 0's GPU would otherwise be restored onto GPU 0 by every rank
-    saved = torch.load(path / "training_state.pt", map_location="cpu", weights_only=False)
-    optimizer.load_state_dict(saved["optimizer"])
-    scheduler.load_state_dict(saved["scheduler"])
-    if "random_states" in saved:
-        mine = saved["random_states"][world.rank]
-    else:  # written by train.py before torchrun support: one process's states, under other names
-        cuda = saved.get("cuda_rng")
-        mine = {"torch": saved["torch_rng"], "numpy": saved["numpy_rng"], "cuda": cuda[0] if cuda else None}
-    torch.set_rng_state(mine["torch"])
-    if mine["cuda"] is not None and torch.cuda.is_available():
-        torch.cuda.set_rng_state(mine["cuda"])
-    rng.bit_generator.state = mine["numpy"]
-    if "numpy_global" in mine:  # checkpoints before these were saved leave them as the engine seeded them
-        np.random.set_state(mine["numpy_global"])
-        random.setstate(mine["python"])
-    return json.loads((path / "trainer_state.json").read_text())
-
-
 # ----------------------------------------------------------------------------- one step
 
 
@@ -655,20 +576,12 @@ def continues(resume: str, out_dir: Path, found: list[Path]) -> bool:
     return resume == "yes"
 
 
-def parse_row(line: str) -> dict | None:
-    """One metrics.jsonl row; None for a line cut short by a crash."""
-    try:
-        return json.loads(line)
-    except json.JSONDecodeError:
-        return None
-
-
 def train(args: Args, world: distributed.World = distributed.World()) -> Path:
     """A training run in this process; under torchrun, this rank's part of it (`world`)."""
     device = "cuda" if torch.cuda.is_available() else "cpu"
     args = resolve(args, device, world.size)
     out_dir = Path(args.out_dir)
-    found = checkpoints(out_dir) if out_dir.exists() else []
+    found = checkpoint.find(out_dir) if out_dir.exists() else []
     resuming = continues(args.resume, out_dir, found)
     if resuming:
         check_resume_config(out_dir, args, world.size)
@@ -694,10 +607,9 @@ def train(args: Args, world: distributed.World = distributed.World()) -> Path:
         metrics_path = out_dir / "metrics.jsonl"
         if resuming:
             resume_from = distributed.from_main(found[-1], world)  # every rank loads the one rank 0 found
-            state = load_checkpoint(resume_from, model, optimizer, scheduler, rng, world)
+            state = checkpoint.load(resume_from, model, optimizer, scheduler, rng, world)
             if world.is_main:
-                rows = [parse_row(line) for line in metrics_path.read_text().splitlines()] if metrics_path.exists() else []
-                metrics_path.write_text("".join(json.dumps(r) + "\n" for r in rows if r and r["step"] <= state["step"]))
+                checkpoint.drop_rows_after(metrics_path, state["step"])
             log.info("resumed from %s: step %d, %.0f s of training", resume_from, state["step"], state["elapsed_s"])
             sampler.update_weights(model)
         if world.is_main:
@@ -851,11 +763,11 @@ def train_loop(args, model, tokenizer, optimizer, scheduler, sampler, stream, st
                 due_steps = args.save_every_steps and state["step"] % args.save_every_steps == 0
                 due_time = args.save_every_minutes and state["elapsed_s"] - last_save_s >= args.save_every_minutes * 60
                 if due_steps or due_time:
-                    save_checkpoint(out_dir, model, optimizer, scheduler, state, rng, world)
+                    checkpoint.save(out_dir, model, optimizer, scheduler, state, rng, world)
                     last_save_s, last_saved_step = state["elapsed_s"], state["step"]
                 show_progress(bar, args, state, row)  # last: nothing cosmetic runs before the checkpoint
         if state["step"] > last_saved_step:  # decided from the state alone, so every rank agrees
-            path = save_checkpoint(out_dir, model, optimizer, scheduler, state, rng, world)
+            path = checkpoint.save(out_dir, model, optimizer, scheduler, state, rng, world)
             log.info("saved %s", path)
         if skipped_in_a_row >= args.max_skipped_steps:
             raise TrainingError(f"{skipped_in_a_row} updates in a row had a non-finite loss or gradient norm and were skipped; "
@@ -889,12 +801,12 @@ def main(argv: list[str] | None = None) -> int:
             benchmark.benchmark(args)
         else:
             out_dir = train(args, world)
-            log.info("done: metrics in %s, checkpoints %s", out_dir / "metrics.jsonl", ", ".join(p.name for p in checkpoints(out_dir)[-3:]))
+            log.info("done: metrics in %s, checkpoints %s", out_dir / "metrics.jsonl", ", ".join(p.name for p in checkpoint.find(out_dir)[-3:]))
     except (UsageError, data.DataError, sampling.SetupError) as err:
         if world.is_main:
             print(f"error: {err}", file=sys.stderr)
         return 2
-    except TrainingError as err:
+    except (TrainingError, checkpoint.CheckpointError) as err:
         if world.is_main:
             print(f"error: {err}", file=sys.stderr)
         return 1
