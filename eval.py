@@ -533,6 +533,22 @@ def plateau_change(runs: list[tuple[list[float], list[float]]], checkpoints: int
     return first, last, max(means) - min(means)
 
 
+def plateau_trend(runs: list[tuple[list[float], list[float]]], minutes: int = 5) -> tuple[int, int, float, float]:
+    """A steadier plateau reading than plateau_change, whose max - min of three noisy points grows with
+    the checkpoint noise: the least-squares line through the seed-mean accuracy at the last `minutes` + 1
+    whole minutes. Returns (first and last minute, the change the line makes over them, the spread of
+    the points around it). A rising curve has a change well above the spread; a plateau, one within it."""
+    last = common_minutes({"": runs})
+    first = max(0, last - minutes)
+    times = list(range(first, last + 1))
+    means, _ = across_seeds(runs, [60.0 * k for k in times])
+    if len(times) < 3:
+        return first, last, (means[-1] - means[0]) if len(times) == 2 else 0.0, 0.0
+    slope, intercept = np.polyfit(times, means, 1)
+    residuals = np.array(means) - (slope * np.array(times) + intercept)
+    return first, last, float(slope * (last - first)), float(np.sqrt(np.sum(residuals**2) / (len(times) - 2)))
+
+
 def read_metrics(run: Path) -> list[dict]:
     """A run's metrics.jsonl rows (empty when it has none)."""
     return checkpoint.read_rows(run / "metrics.jsonl")
@@ -663,6 +679,9 @@ def plot(run_dirs: list[Path], out: Path, dataset: str | None, baseline: str | N
     first, last, change = plateau_change(groups[baseline])
     lines.append(f"{baseline}'s seed mean moved {change:.3f} over its last whole minutes ({first}-{last} min): "
                  + ("a plateau by the rule (< 0.02)" if change < 0.02 else "still moving (the plateau rule is < 0.02)"))
+    first, last, trend, spread = plateau_trend(groups[baseline])
+    lines.append(f"{baseline}'s seed mean, least-squares line over minutes {first}-{last}: {trend:+.3f} "
+                 f"(points scatter {spread:.3f} around it)")
     costs, onsets = step_costs(run_dirs), learning_onsets(run_dirs)
     return "\n".join(lines + ["", "test accuracy (mean +- standard error over seeds)", *accuracy_by_minute(groups)]
                      + ["", *seed_statistics(groups, seeds_by_label, baseline, frac)]

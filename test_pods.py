@@ -1281,6 +1281,20 @@ def test_speedup_by_target_on_constructed_curves_with_known_answers():
     assert row.split()[4:] == ["2.00x", "[2.00,", "2.00]", "1.50x", "[1.50,", "1.50]", "1.50x", "[1.50,", "1.50]"]
 
 
+def test_plateau_trend_tells_a_rising_curve_from_noise_around_a_level():
+    minutes = [60.0 * k for k in range(11)]
+    rising = [(minutes, [0.5 + 0.02 * k for k in range(11)])]  # +0.02 a minute, no noise
+    assert evaluation.plateau_trend(rising) == pytest.approx((5, 10, 0.10, 0.0), abs=1e-9)
+    level = [(minutes, [0.9 + (0.03 if k % 2 else -0.03) for k in range(11)])]  # +-0.03 around 0.9
+    first, last, trend, spread = evaluation.plateau_trend(level)
+    assert (first, last) == (5, 10) and abs(trend) < 0.03 < spread  # max - min would read 0.06: "moving"
+    assert evaluation.plateau_change(level)[2] == pytest.approx(0.06)
+    # the line goes through the seed means: two seeds rising and falling in opposition are level
+    opposed = [(minutes, [0.5 + 0.02 * k for k in range(11)]), (minutes, [0.9 - 0.02 * k for k in range(11)])]
+    assert evaluation.plateau_trend(opposed)[2:] == pytest.approx((0.0, 0.0), abs=1e-9)
+    assert evaluation.plateau_trend([([0, 90], [0.1, 0.4])]) == pytest.approx((0, 1, 0.2, 0.0))  # too short for a line
+
+
 def test_plateau_change_is_the_seed_mean_movement_over_the_last_whole_minutes():
     rising = [([0, 60, 120, 180, 240], [0.1, 0.5, 0.8, 0.9, 0.95])]
     assert evaluation.plateau_change(rising) == pytest.approx((2, 4, 0.15))  # 0.8 at 2 min, 0.95 at 4 min
