@@ -75,7 +75,7 @@ def save(out_dir: Path, model, optimizer, scheduler, state: dict, rng: np.random
             shutil.rmtree(tmp, ignore_errors=True)
             previous = find(out_dir)
             raise CheckpointError(f"could not write {path.name} ({err}); the last complete checkpoint is "
-                                f"{previous[-1] if previous else 'none'}: free space, then --resume") from None
+                                  f"{previous[-1] if previous else 'none'}: free space, then --resume") from None
         shutil.rmtree(path, ignore_errors=True)
         tmp.rename(path)
     distributed.barrier(world)

@@ -523,14 +523,20 @@ def accuracy_by_minute(groups: dict[str, list[tuple[list[float], list[float]]]])
     return lines
 
 
+def last_minutes(runs: list[tuple[list[float], list[float]]], span: int) -> tuple[list[int], list[float]]:
+    """The last `span` + 1 whole minutes that every run reached (fewer if they trained less), and the
+    seed-mean accuracy at each: what the plateau readings below look at."""
+    last = common_minutes({"": runs})
+    minutes = list(range(max(0, last - span), last + 1))
+    return minutes, across_seeds(runs, [60.0 * k for k in minutes])[0]
+
+
 def plateau_change(runs: list[tuple[list[float], list[float]]], checkpoints: int = 2) -> tuple[int, int, float]:
     """Whether a setting has plateaued: its seed-mean accuracy at the last `checkpoints` + 1 whole
     minutes that all its runs reached, and how far it moved among them (max - min). Returns (the
     first and last of those minutes, the change). The reproduction's plateau rule: a change below 0.02."""
-    last = common_minutes({"": runs})
-    first = max(0, last - checkpoints)
-    means, _ = across_seeds(runs, [60.0 * k for k in range(first, last + 1)])
-    return first, last, max(means) - min(means)
+    minutes, means = last_minutes(runs, checkpoints)
+    return minutes[0], minutes[-1], max(means) - min(means)
 
 
 def plateau_trend(runs: list[tuple[list[float], list[float]]], minutes: int = 5) -> tuple[int, int, float, float]:
@@ -538,12 +544,10 @@ def plateau_trend(runs: list[tuple[list[float], list[float]]], minutes: int = 5)
     the checkpoint noise: the least-squares line through the seed-mean accuracy at the last `minutes` + 1
     whole minutes. Returns (first and last minute, the change the line makes over them, the spread of
     the points around it). A rising curve has a change well above the spread; a plateau, one within it."""
-    last = common_minutes({"": runs})
-    first = max(0, last - minutes)
-    times = list(range(first, last + 1))
-    means, _ = across_seeds(runs, [60.0 * k for k in times])
+    times, means = last_minutes(runs, minutes)
+    first, last = times[0], times[-1]
     if len(times) < 3:
-        return first, last, (means[-1] - means[0]) if len(times) == 2 else 0.0, 0.0
+        return first, last, means[-1] - means[0], 0.0
     slope, intercept = np.polyfit(times, means, 1)
     residuals = np.array(means) - (slope * np.array(times) + intercept)
     return first, last, float(slope * (last - first)), float(np.sqrt(np.sum(residuals**2) / (len(times) - 2)))
