@@ -432,6 +432,70 @@ def speedup_by_target(groups: dict[str, list[tuple[list[float], list[float]]]], 
     return lines
 
 
+def seed_speedups(base_runs: list[tuple[list[float], list[float]]], other_runs: list[tuple[list[float], list[float]]],
+                  target: float) -> np.ndarray:
+    """Each seed's own speed-up at an accuracy target: the baseline's first time at it over the other
+    setting's, in the same seed (the i-th runs of the two lists, as group_curves orders them). 0 when
+    the other never reaches it, inf when only the baseline never does, nan when neither does."""
+    ratios = []
+    for (base_t, base_acc), (other_t, other_acc) in zip(base_runs, other_runs, strict=True):
+        t_base, t_other = time_to_reach(base_t, base_acc, target), time_to_reach(other_t, other_acc, target)
+        if t_other is None:
+            ratios.append(math.nan if t_base is None else 0.0)
+        else:
+            ratios.append(math.inf if t_other == 0 or t_base is None else t_base / t_other)
+    return np.array(ratios)
+
+
+def paired_speedup(base_runs: list[tuple[list[float], list[float]]], other_runs: list[tuple[list[float], list[float]]],
+                   frac: float = TARGET_FRAC, resamples: int = 2000, level: float = 0.95, seed: int = 0) -> dict:
+    """The speed-up seed by seed: the median over seeds of seed_speedups, the target frac x the peak
+    of the baseline's seed-mean curve (the authors' target, as in speedup_of_means), with a percentile
+    bootstrap interval that resamples seed pairs and recomputes the target from each resample.
+
+    A seed whose runs all ran on a machine k times slower has every time scaled by k and its ratio
+    unchanged, where the seed-mean curves of speedup_of_means mix fast and slow seeds minute by minute.
+    The median takes a seed that never reaches the target (0) or whose baseline never does (inf) as it
+    comes; a seed where neither does is left out (nan)."""
+    if len(base_runs) != len(other_runs):
+        raise EvalError(f"a speed-up seed by seed needs the same seeds in both settings ({len(base_runs)} against {len(other_runs)} runs)")
+
+    def median_at(indices) -> float:
+        target = frac * max(mean_curve([base_runs[i] for i in indices])[1])
+        ratios = seed_speedups([base_runs[i] for i in indices], [other_runs[i] for i in indices], target)
+        return float(np.median(ratios[~np.isnan(ratios)])) if (~np.isnan(ratios)).any() else math.nan
+
+    everyone = range(len(base_runs))
+    rng = np.random.default_rng(seed)
+    draws = np.array([median_at(rng.integers(len(base_runs), size=len(base_runs))) for _ in range(resamples)])
+    low, high = np.nanquantile(draws, [(1 - level) / 2, (1 + level) / 2], method="nearest")  # a draw may be inf
+    target = frac * max(mean_curve(base_runs)[1])
+    return {"speedup": median_at(everyone), "low": float(low), "high": float(high),
+            "seeds": seed_speedups(base_runs, other_runs, target).tolist(), "level": level, "resamples": resamples}
+
+
+def paired_speedup_by_target(groups: dict[str, list[tuple[list[float], list[float]]]], seeds: dict[str, list[int]],
+                             baseline: str, fracs: tuple[float, ...] = SENSITIVITY_FRACS) -> list[str]:
+    """speedup_by_target seed by seed (paired_speedup), for the settings run with the baseline's
+    seeds, and each seed's own ratio at the authors' target: a machine that ran one seed's runs
+    slower than another's does not move these."""
+    paired = [label for label in groups if label != baseline and seeds.get(label) == seeds.get(baseline)]
+    if not paired:
+        return []
+    lines = [f"speed-up seed by seed (each seed's {baseline} time over its own time to the target), "
+             f"median over seeds [95% bootstrap interval over seed pairs]",
+             f"{'run':<36}" + "".join(f"{f'{frac:g} x peak':>22}" for frac in fracs)]
+    for label in paired:
+        boots = [paired_speedup(groups[baseline], groups[label], frac) for frac in fracs]
+        cells = [f"{b['speedup']:.2f}x [{b['low']:.2f}, {b['high']:.2f}]" for b in boots]
+        lines.append(f"{label:<36}" + "".join(f"{cell:>22}" for cell in cells))
+        ratios = "  ".join(f"{seed}: " + ("never" if r == 0 else "neither" if math.isnan(r)
+                                          else "baseline never" if math.isinf(r) else f"{r:.2f}x")
+                           for seed, r in zip(seeds[label], boots[-1]["seeds"]))
+        lines.append(f"  seeds at {fracs[-1]:g} x peak: {ratios}")
+    return lines
+
+
 def label_of(config: dict) -> str:
     """A run's legend label from its config.json: rule, n and m."""
     if config["rule"] == "none":
@@ -687,9 +751,11 @@ def plot(run_dirs: list[Path], out: Path, dataset: str | None, baseline: str | N
     lines.append(f"{baseline}'s seed mean, least-squares line over minutes {first}-{last}: {trend:+.3f} "
                  f"(points scatter {spread:.3f} around it)")
     costs, onsets = step_costs(run_dirs), learning_onsets(run_dirs)
+    paired = paired_speedup_by_target(groups, seeds_by_label, baseline)
     return "\n".join(lines + ["", "test accuracy (mean +- standard error over seeds)", *accuracy_by_minute(groups)]
                      + ["", *seed_statistics(groups, seeds_by_label, baseline, frac)]
-                     + ["", *speedup_by_target(groups, baseline)] + ([""] + costs if costs else [])
+                     + ["", *speedup_by_target(groups, baseline)]
+                     + ([""] + paired if paired else []) + ([""] + costs if costs else [])
                      + (["", "when each run started to learn (train accuracy over 3 steps first >= 0.5)", *onsets] if onsets else []))
 
 

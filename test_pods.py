@@ -1261,6 +1261,43 @@ def test_plot_prints_speedup_intervals_and_paired_differences_for_runs_with_the_
     assert "speed-up to 0.99 x GRPO n=8's peak, 95% bootstrap interval over seeds" in out
     row = next(line for line in out.splitlines() if line.startswith("PODS max_variance n=8 m=4") and "[" in line)
     assert "+0.100 [+0.00, +0.20]" in row  # 1 min: mean of +0.1, +0.2, 0.0; resampled means span 0.0 to 0.2
+    # seed by seed at 0.99 x GRPO's peak (0.5): GRPO seed 1 never reaches 0.495, PODS does at 1 min
+    assert "  seeds at 0.99 x peak: 0: 1.00x  1: baseline never  2: 1.00x" in out.splitlines()
+
+
+def test_seed_speedups_count_never_reaching_as_zero_and_a_baseline_that_never_does_as_inf():
+    base = [([0, 60, 120], [0.1, 0.5, 1.0])] * 4
+    other = [([0, 60, 120], [0.1, 1.0, 1.0]), ([0, 60, 120], [0.1, 0.2, 0.3]), ([0, 60], [1.0, 1.0]),
+             ([0, 60, 120], [0.1, 0.5, 1.0])]
+    assert evaluation.seed_speedups(base, other, 0.99).tolist() == [2.0, 0.0, math.inf, 1.0]
+    never = [([0, 60, 120], [0.1, 0.2, 0.3])]
+    assert evaluation.seed_speedups(never, [([0, 60], [0.1, 1.0])], 0.99).tolist() == [math.inf]
+    assert math.isnan(evaluation.seed_speedups(never, never, 0.99)[0])  # neither: no ratio
+
+
+def test_paired_speedup_is_unmoved_by_a_seed_run_on_a_slower_machine():
+    # seed 1's runs ran twice as slowly: every time doubled, every accuracy the same
+    def runs(k):
+        times = [0, 60 * k, 120 * k, 180 * k] + ([360] if k == 1 else [])
+        return ((times, [0.1, 0.5, 0.9, 1.0, 1.0][:len(times)]), (times, [0.1, 0.9, 1.0, 1.0, 1.0][:len(times)]))
+    (base0, other0), (base1, other1) = runs(1), runs(2)
+    # target 0.8: GRPO at 120 s, PODS at 60 s in seed 0; 240 s and 120 s in seed 1: 2x in both
+    paired = evaluation.paired_speedup([base0, base1], [other0, other1], frac=0.8, resamples=200)
+    assert (paired["speedup"], paired["low"], paired["high"]) == pytest.approx((2.0, 2.0, 2.0))
+    assert paired["seeds"] == pytest.approx([2.0, 2.0])
+    # the seed-mean curves mix the fast and the slow seed: GRPO's mean reaches 0.8 at 180 s, PODS's at 120 s
+    assert evaluation.speedup_of_means([base0, base1], [other0, other1], frac=0.8) == pytest.approx(1.5)
+
+
+def test_paired_speedup_median_and_interval_over_seed_pairs_with_known_answers():
+    times = [0, 60, 120, 180]
+    base = [(times, [0.1, 0.5, 0.5, 1.0])] * 2  # peak 1.0 in every resample: target 0.99 at 180 s
+    other = [(times, [0.1, 0.5, 0.5, 1.0]), (times, [0.1, 1.0, 1.0, 1.0])]  # 1x and 3x
+    # resampled medians: 1 (both draws seed 0), 2 (one of each), 3 (both seed 1), probabilities 1/4, 1/2, 1/4
+    paired = evaluation.paired_speedup(base, other, resamples=4000)
+    assert (paired["speedup"], paired["low"], paired["high"]) == pytest.approx((2.0, 1.0, 3.0))
+    with pytest.raises(evaluation.EvalError, match="same seeds"):
+        evaluation.paired_speedup(base, other[:1])
 
 
 def test_accuracy_by_minute_is_the_mean_and_standard_error_over_seeds_at_whole_minutes():
