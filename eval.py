@@ -650,13 +650,18 @@ def learning_onsets(run_dirs: list[Path], threshold: float = 0.5, window: int = 
 
 
 def step_costs(run_dirs: list[Path]) -> list[str]:
-    """What a step cost in each run (means over its metrics.jsonl): the time side of the comparison."""
-    lines = [f"{'run':<28}{'steps':>7}{'generation s':>14}{'update s':>10}{'step s':>8}"]
+    """What a step cost in each run (means over its metrics.jsonl): the time side of the comparison.
+    `steps 2-6 s` (the median of generation + update seconds over steps 2-6) reads the machine's speed:
+    before any run has learned, every run of a setting writes ~max-new-tokens, so a run whose steps
+    2-6 took longer than the same setting's other seeds ran on a slower (or busier) machine."""
+    lines = [f"{'run':<28}{'steps':>7}{'generation s':>14}{'update s':>10}{'step s':>8}{'steps 2-6 s':>13}"]
     for run in run_dirs:
         rows = read_metrics(run)
         if rows:
             generation, update = (float(np.mean([r[k] for r in rows])) for k in ("generation_s", "update_s"))
-            lines.append(f"{run.name:<28}{len(rows):>7}{generation:>14.1f}{update:>10.1f}{rows[-1]['elapsed_s'] / len(rows):>8.1f}")
+            early = float(np.median([r["generation_s"] + r["update_s"] for r in rows[1:6] or rows]))
+            lines.append(f"{run.name:<28}{len(rows):>7}{generation:>14.1f}{update:>10.1f}"
+                         f"{rows[-1]['elapsed_s'] / len(rows):>8.1f}{early:>13.1f}")
     return lines if len(lines) > 1 else []
 
 

@@ -1209,7 +1209,19 @@ def test_plot_writes_a_png_and_prints_the_speedup_table(tmp_path, capsys):
     assert "baseline GRPO n=8: peak 0.600, target 0.99 x peak = 0.594, first reached at 4.0 min" in out
     assert "PODS max_variance n=16 m=8" in out and "2.0 min" in out and "2.00x" in out
     assert "never reached" in out
-    assert "pods                              4          20.0      10.0    30.0" in out  # its step costs
+    assert "pods                              4          20.0      10.0    30.0         30.0" in out  # its step costs
+
+
+def test_step_costs_read_the_machine_speed_from_steps_2_to_6(tmp_path):
+    run = tmp_path / "slow-seed"
+    run.mkdir()
+    seconds = [50, 10, 12, 11, 30, 13, 5, 5]  # step 1 warms up, steps 2-6 before learning, then short completions
+    (run / "metrics.jsonl").write_text("".join(json.dumps({"step": i + 1, "elapsed_s": float(sum(seconds[:i + 1])),
+                                                           "generation_s": s / 2, "update_s": s / 2}) + "\n"
+                                               for i, s in enumerate(seconds)))
+    header, row = evaluation.step_costs([run])
+    assert header.split()[-3:] == ["steps", "2-6", "s"]
+    assert row.split() == ["slow-seed", "8", "8.5", "8.5", "17.0", "12.0"]  # the median of 10, 12, 11, 30, 13
 
 
 def test_speedup_of_means_on_constructed_curves_with_known_answers():
