@@ -649,20 +649,35 @@ def learning_onsets(run_dirs: list[Path], threshold: float = 0.5, window: int = 
     return lines if len(lines) > 1 else []
 
 
+SLOW_MACHINE = 1.25  # a run whose steps 2-6 took this many times its setting's median ran on a slower machine
+
+
 def step_costs(run_dirs: list[Path]) -> list[str]:
     """What a step cost in each run (means over its metrics.jsonl): the time side of the comparison.
+
     `steps 2-6 s` (the median of generation + update seconds over steps 2-6) reads the machine's speed:
-    before any run has learned, every run of a setting writes ~max-new-tokens, so a run whose steps
-    2-6 took longer than the same setting's other seeds ran on a slower (or busier) machine."""
-    lines = [f"{'run':<28}{'steps':>7}{'generation s':>14}{'update s':>10}{'step s':>8}{'steps 2-6 s':>13}"]
+    before any run has learned, every run of a setting writes ~max-new-tokens, so a run whose steps 2-6
+    took longer than its setting's other seeds (`x median`, over the runs given of the same setting)
+    ran on a slower or busier machine; above SLOW_MACHINE it is marked, as its minutes are not those
+    of the other seeds (a wall-clock comparison needs the same idle machine for every run)."""
+    costs = []
     for run in run_dirs:
         rows = read_metrics(run)
         if rows:
+            config = run / "config.json"
+            label = label_of(json.loads(config.read_text())) if config.exists() else run.name
             generation, update = (float(np.mean([r[k] for r in rows])) for k in ("generation_s", "update_s"))
             early = float(np.median([r["generation_s"] + r["update_s"] for r in rows[1:6] or rows]))
-            lines.append(f"{run.name:<28}{len(rows):>7}{generation:>14.1f}{update:>10.1f}"
-                         f"{rows[-1]['elapsed_s'] / len(rows):>8.1f}{early:>13.1f}")
-    return lines if len(lines) > 1 else []
+            costs.append((run.name, label, len(rows), generation, update, rows[-1]["elapsed_s"] / len(rows), early))
+    if not costs:
+        return []
+    medians = {label: float(np.median([c[-1] for c in costs if c[1] == label])) for label in {c[1] for c in costs}}
+    lines = [f"{'run':<28}{'steps':>7}{'generation s':>14}{'update s':>10}{'step s':>8}{'steps 2-6 s':>13}{'x median':>10}"]
+    for name, label, steps, generation, update, step, early in costs:
+        ratio = early / medians[label]
+        lines.append(f"{name:<28}{steps:>7}{generation:>14.1f}{update:>10.1f}{step:>8.1f}{early:>13.1f}{ratio:>10.2f}"
+                     + ("  slower machine" if ratio > SLOW_MACHINE else ""))
+    return lines
 
 
 TRAINING_PANELS = (("reward_mean", "reward (all n)"), ("accuracy", "train accuracy (all n)"),

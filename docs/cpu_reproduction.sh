@@ -27,6 +27,10 @@
 #   for s in 0 1 2 3 4 5; do PLAN=plateau SEEDS=$s ABLATION_SEEDS= bash docs/cpu_reproduction.sh; done
 #   PLAN=plateau SEEDS= bash docs/cpu_reproduction.sh          # then the ablations
 #
+# Runs whose steps were slower than their setting's other seeds (eval.py's step-cost table marks them
+# "slower machine") did not run on the idle machine the comparison needs: list their seed in
+# docs/cpu-plateau/slower-machine-seeds.txt, run a further seed (SEEDS=6), and the tables leave it out.
+#
 # Resumable: a finished run (its budget reached) is not redone, an interrupted one continues from its
 # last checkpoint, and evaluated checkpoints are skipped.
 set -euo pipefail
@@ -111,10 +115,19 @@ if [[ " $STAGES " == *" report "* ]]; then
              && mv "docs/cpu_$name.txt.new" "docs/cpu_$name.txt" && cat "docs/cpu_$name.txt" \
              || { rm -f "docs/cpu_$name.txt.new"; echo "not drawn yet: docs/cpu_$name (see the line above)"; }; }
   if [ "$PLAN" = plateau ]; then
-    plot plateau_equal_rollouts "$KEEP"/grpo-n8-s* "$KEEP"/pods-n8-m4-s*
-    plot plateau_equal_updates "$KEEP"/grpo-n4-s* "$KEEP"/pods-n16-m4-s*
-    plot plateau_n_ablation "$KEEP"/grpo-n4-s* "$KEEP"/pods-n8-m4-s* "$KEEP"/pods-n16-m4-s*
-    plot plateau_rules "$KEEP"/pods-n8-m4-s[01] "$KEEP"/maxreward-n8-m4-s* "$KEEP"/random-n8-m4-s* --baseline "PODS max_variance n=8 m=4"
+    # A wall-clock comparison needs every run on the same idle machine: seeds listed in
+    # $KEEP/slower-machine-seeds.txt (their runs marked "slower machine" in the step-cost tables) are
+    # left out of the tables and drawn with every seed beside them, in docs/cpu_plateau_*_all_seeds.
+    SLOW_SEEDS=" $(grep -v '^#' "$KEEP/slower-machine-seeds.txt" 2>/dev/null | awk '{print $1}' | tr '\n' ' ')"
+    idle() { local dir; for dir in "$@"; do [[ "$SLOW_SEEDS" == *" ${dir##*-s} "* ]] || echo "$dir"; done; }
+    plot plateau_equal_rollouts $(idle "$KEEP"/grpo-n8-s* "$KEEP"/pods-n8-m4-s*)
+    plot plateau_equal_updates $(idle "$KEEP"/grpo-n4-s* "$KEEP"/pods-n16-m4-s*)
+    plot plateau_n_ablation $(idle "$KEEP"/grpo-n4-s* "$KEEP"/pods-n8-m4-s* "$KEEP"/pods-n16-m4-s*)
+    plot plateau_rules $(idle "$KEEP"/pods-n8-m4-s[01] "$KEEP"/maxreward-n8-m4-s* "$KEEP"/random-n8-m4-s*) --baseline "PODS max_variance n=8 m=4"
+    if [ -n "${SLOW_SEEDS// }" ]; then
+      plot plateau_equal_rollouts_all_seeds "$KEEP"/grpo-n8-s* "$KEEP"/pods-n8-m4-s*
+      plot plateau_equal_updates_all_seeds "$KEEP"/grpo-n4-s* "$KEEP"/pods-n16-m4-s*
+    fi
   else
   plot equal_rollouts "$KEEP"/grpo-n8-s* "$KEEP"/pods-n8-m4-s* "$KEEP"/pods-n8-m2-s*
   plot rules "$KEEP"/pods-n8-m2-s[01] "$KEEP"/maxreward-n8-m2-s* "$KEEP"/random-n8-m2-s* --baseline "PODS max_variance n=8 m=2"
