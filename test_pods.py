@@ -1231,17 +1231,71 @@ def test_step_costs_read_the_machine_speed_from_steps_2_to_6_and_mark_a_slower_m
     assert row2.split()[-4:] == ["16.0", "1.33", "slower", "machine"]  # 16 / 12 > 1.25
 
 
+def project_copy(root: Path) -> Path:
+    """The project's Python files and docs/cpu_reproduction.sh in `root`, for running the script there."""
+    here = Path(__file__).parent
+    (root / "docs" / "cpu-plateau").mkdir(parents=True)
+    for py in here.glob("*.py"):
+        (root / py.name).write_text(py.read_text())
+    (root / "docs" / "cpu_reproduction.sh").write_text((here / "docs" / "cpu_reproduction.sh").read_text())
+    return root
+
+
+def run_reproduction(root: Path, **env: str) -> subprocess.CompletedProcess:
+    """bash docs/cpu_reproduction.sh in a project copy, with this interpreter as `python`."""
+    env = {**os.environ, "PATH": f"{Path(sys.executable).parent}{os.pathsep}{os.environ['PATH']}", **env}
+    return subprocess.run(["bash", str(root / "docs" / "cpu_reproduction.sh")], env=env, capture_output=True, text=True, timeout=300)
+
+
+STUB_TRAIN = """import json, os, sys
+args = sys.argv[1:]
+out, steps = args[args.index("--out-dir") + 1], int(args[len(args) - 1 - args[::-1].index("--steps") + 1])
+open(os.environ["STUB_LOG"], "a").write(" ".join(args) + "\\n")
+os.makedirs(out, exist_ok=True)
+step_s = float(os.environ["STUB_STEP_S"])
+with open(os.path.join(out, "metrics.jsonl"), "w") as f:
+    for k in range(1, steps + 1):
+        f.write(json.dumps({"step": k, "elapsed_s": k * step_s, "generation_s": step_s / 2, "update_s": step_s / 2}) + "\\n")
+"""
+
+
+def test_plateau_plan_skips_runs_kept_from_another_machine_and_stops_on_a_slower_one(tmp_path):
+    """PLAN=plateau in a fresh checkout (no runs/): seed 0's runs, kept in docs/cpu-plateau, are neither
+    trained nor evaluated again; a new seed first repeats grpo-n8-s0's first 6 steps (train.py stubbed:
+    it writes a metrics.jsonl whose steps take STUB_STEP_S) and stops if they take > 1.25x its record."""
+    root = project_copy(tmp_path)
+    (root / "train.py").write_text(STUB_TRAIN)
+    for name in ("grpo-n8-s0", "pods-n8-m4-s0", "grpo-n4-s0", "pods-n16-m4-s0"):
+        kept = root / "docs" / "cpu-plateau" / name
+        kept.mkdir()
+        (kept / "metrics.jsonl").write_text("".join(json.dumps({"step": k, "elapsed_s": 8.0 * k, "generation_s": 3.0, "update_s": 5.0}) + "\n"
+                                                    for k in range(1, 121)))  # 8 s a step, 16 minutes
+        (kept / "eval-arith-2.json").write_text("{}")
+    log = tmp_path / "train-calls.txt"
+    done = run_reproduction(root, PLAN="plateau", SEEDS="0", ABLATION_SEEDS="", STAGES="train eval", STUB_LOG=str(log), STUB_STEP_S="8")
+    assert done.returncode == 0, done.stderr
+    assert not log.exists()  # nothing trained, nothing evaluated
+
+    slow = run_reproduction(root, PLAN="plateau", SEEDS="1", ABLATION_SEEDS="", STAGES="train", STUB_LOG=str(log), STUB_STEP_S="12")
+    assert slow.returncode == 1
+    assert "speed check: grpo-n8-s0's steps 2-6 take 12.0 s a step here, 8.0 s in its record (1.50x)" in slow.stdout
+    assert "this machine is slower than the one the kept runs were timed on" in slow.stdout
+    calls = log.read_text().splitlines()
+    assert len(calls) == 1 and "--steps 6" in calls[0] and "--seed 0" in calls[0]  # the check only, no run of seed 1
+
+    log.unlink()
+    idle = run_reproduction(root, PLAN="plateau", SEEDS="1", ABLATION_SEEDS="", STAGES="train", STUB_LOG=str(log), STUB_STEP_S="9")
+    assert idle.returncode == 0, idle.stderr
+    assert "(1.12x)" in idle.stdout
+    calls = log.read_text().splitlines()
+    assert len(calls) == 5 and all("--seed 1" in call for call in calls[1:])  # the check, then seed 1's four runs
+
+
 def test_plateau_report_leaves_out_the_seeds_listed_as_run_on_a_slower_machine(tmp_path):
     """STAGES=report of docs/cpu_reproduction.sh, as a user redraws it, on constructed records in a
     copy of the project: seed 2 is listed in slower-machine-seeds.txt, so the tables hold seeds 0-1 and
     the *_all_seeds tables all three, its runs marked."""
-    root = Path(__file__).parent
-    (tmp_path / "docs").mkdir()
-    for py in root.glob("*.py"):
-        (tmp_path / py.name).write_text(py.read_text())
-    (tmp_path / "docs" / "cpu_reproduction.sh").write_text((root / "docs" / "cpu_reproduction.sh").read_text())
-    keep = tmp_path / "docs" / "cpu-plateau"
-    keep.mkdir()
+    keep = project_copy(tmp_path) / "docs" / "cpu-plateau"
     for seed, (grpo_speed, pods_speed) in enumerate([(1.0, 1.0), (1.0, 1.0), (2.0, 2.0)]):
         for name, rule, n, m, curve, speed in (("grpo-n8", "none", 8, 8, [0.1, 0.5, 0.7, 0.95], grpo_speed),
                                                ("pods-n8-m4", "max_variance", 8, 4, [0.1, 0.95, 0.95, 0.95], pods_speed)):
@@ -1255,8 +1309,7 @@ def test_plateau_report_leaves_out_the_seeds_listed_as_run_on_a_slower_machine(t
                                                                    "update_s": 3.0 * speed, "accuracy": 0.5}) + "\n"
                                                        for k in range(1, 40)))
     (keep / "slower-machine-seeds.txt").write_text("# seed  why\n2       constructed: twice as slow\n")
-    env = {**os.environ, "PATH": f"{Path(sys.executable).parent}{os.pathsep}{os.environ['PATH']}", "PLAN": "plateau", "STAGES": "report"}
-    done = subprocess.run(["bash", str(tmp_path / "docs" / "cpu_reproduction.sh")], env=env, capture_output=True, text=True, timeout=300)
+    done = run_reproduction(tmp_path, PLAN="plateau", STAGES="report")
     assert done.returncode == 0, done.stderr
     idle = (tmp_path / "docs" / "cpu_plateau_equal_rollouts.txt").read_text()
     every = (tmp_path / "docs" / "cpu_plateau_equal_rollouts_all_seeds.txt").read_text()

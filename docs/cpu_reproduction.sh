@@ -31,13 +31,16 @@
 # "slower machine") did not run on the idle machine the comparison needs: list their seed in
 # docs/cpu-plateau/slower-machine-seeds.txt, run a further seed (SEEDS=6), and the tables leave it out.
 #
+# Before its first training, an invocation repeats grpo-n8-s0's first 6 steps and stops (exit 1) if
+# they take more than 1.25x as long as in its record: the machine is busy or slower (CHECK_SPEED=0 skips).
+#
 # Resumable: a finished run (its budget reached) is not redone, an interrupted one continues from its
 # last checkpoint, and evaluated checkpoints are skipped.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 PLAN=${PLAN:-first}
 if [ "$PLAN" = plateau ]; then
-  BUDGET=${BUDGET:-15}; OUT=${OUT:-runs/cpu-plateau}; KEEP=docs/cpu-plateau; SEEDS=${SEEDS-"0 1 2 3 4 5"}
+  BUDGET=${BUDGET:-15}; OUT=${OUT:-runs/cpu-plateau}; KEEP=docs/cpu-plateau; SEEDS=${SEEDS-"0 1 2 3 4 5 6"}  # 6 for 4 (slower-machine-seeds.txt)
   ABLATION_SEEDS=${ABLATION_SEEDS-"0 1"}  # ABLATION_SEEDS= (empty): none
 else
   BUDGET=${BUDGET:-3}; OUT=${OUT:-runs/cpu}; KEEP=docs/cpu
@@ -56,9 +59,33 @@ sys.exit(0 if rows and rows[-1]["elapsed_s"] >= float(sys.argv[2]) * 60 else 1)
 EOF
 }
 
-run() {
-  local dir=$OUT/$1; shift
-  if finished "$dir"; then return; fi
+check_speed() {  # PLAN=plateau, before this invocation's first training: is this the kept runs' machine?
+  if [ "$PLAN" != plateau ] || [ "${SPEED_CHECKED:-}" = 1 ] || [ "${CHECK_SPEED:-1}" = 0 ] || [ ! -f "$KEEP/grpo-n8-s0/metrics.jsonl" ]; then
+    return
+  fi
+  SPEED_CHECKED=1
+  # The first 6 steps of grpo-n8-s0 again (the same seed and settings, so the same work), against its record.
+  rm -rf "$OUT/speed-check"
+  python train.py $COMMON --seed 0 --rule none --n 8 --steps 6 --save-every-minutes 0 --out-dir "$OUT/speed-check" > /dev/null 2>&1 \
+    || { echo "speed check: train.py failed; see: python train.py $COMMON --seed 0 --rule none --n 8 --steps 6 --out-dir $OUT/speed-check"; exit 1; }
+  python - "$OUT/speed-check/metrics.jsonl" "$KEEP/grpo-n8-s0/metrics.jsonl" <<'EOF'
+import json, statistics, sys
+def steps_2_6(path):  # eval.py step_costs' "steps 2-6 s": the median generation + update seconds
+    rows = [json.loads(line) for line in open(path) if line.strip()]
+    return statistics.median(r["generation_s"] + r["update_s"] for r in rows[1:6])
+now, kept = steps_2_6(sys.argv[1]), steps_2_6(sys.argv[2])
+print(f"speed check: grpo-n8-s0's steps 2-6 take {now:.1f} s a step here, {kept:.1f} s in its record ({now / kept:.2f}x)")
+if now / kept > 1.25:  # eval.py's SLOW_MACHINE
+    print("this machine is slower than the one the kept runs were timed on, so its minutes would not be theirs: "
+          "run again when it is idle, or CHECK_SPEED=0 to train anyway (then read the step-cost tables' x median)")
+    sys.exit(1)
+EOF
+}
+
+run() {  # a run finished here, or kept in docs from another machine (runs/ is not in git), is not redone
+  local dir=$OUT/$1 kept=$KEEP/$1; shift
+  if finished "$dir" || { [ ! -d "$dir" ] && finished "$kept"; }; then return; fi
+  check_speed
   if ls "$dir" 2>/dev/null | grep -q checkpoint-; then
     python train.py $COMMON "$@" --out-dir "$dir" --resume
   else
@@ -98,6 +125,7 @@ fi
 trained=$(date +%s)
 
 evaluate() {  # a run still training (run in parts) waits for a later invocation
+  if [ ! -d "$OUT/$1" ] && [ -f "$KEEP/$1/eval-arith-2.json" ]; then return; fi  # evaluated on another machine
   if ! finished "$OUT/$1"; then echo "not evaluated yet: $1 has not finished training"; return; fi
   python eval.py "$OUT/$1" $EVAL
   mkdir -p "$KEEP/$1"
