@@ -15,16 +15,17 @@
 #   STAGES=report bash docs/cpu_reproduction.sh    # only redraw figures and tables from docs/cpu/
 #
 # PLAN=plateau: the comparisons run to GRPO's plateau (BUDGET=15 minutes a run, from the probe in
-# docs/cpu-reproduction.md), with SEEDS="0 1 2 3 4 5" paired seeds, into runs/cpu-plateau and
-# docs/cpu-plateau/: ~9.5 hours on 2 cores (28 runs of 15 minutes, then ~4.5 minutes of evaluation
-# each), meant to run in parts (Ctrl-C, then the same command continues):
+# docs/cpu-reproduction.md), with SEEDS="0 1 2 3 4 5 6" paired seeds (4 ran on a slower machine and is
+# left out of the tables: 6 replaces it), into runs/cpu-plateau and docs/cpu-plateau/: ~10.5 hours on 2
+# cores (32 runs of 15 minutes, then ~4.5 minutes of evaluation each on an idle machine), meant to run
+# in parts (Ctrl-C, then the same command continues, in a fresh checkout too):
 #   1. equal rollouts generated (the paper's multi-GPU setting): GRPO n=8 against PODS n=8 m=4
 #   2. equal rollouts updated (its single-GPU setting): GRPO n=4 against PODS n=16 m=4
 #   3. n at m=4 (from 1 and 2): GRPO n=4, PODS n=8 m=4, PODS n=16 m=4     (6 seeds)
 #   4. rules at n=8 m=4: max-variance (from 1), max-reward, random            (ABLATION_SEEDS="0 1")
 #   PLAN=plateau bash docs/cpu_reproduction.sh
 # or a seed at a time, each trained, evaluated and reported before the next (a part-way report at any stop):
-#   for s in 0 1 2 3 4 5; do PLAN=plateau SEEDS=$s ABLATION_SEEDS= bash docs/cpu_reproduction.sh; done
+#   for s in 0 1 2 3 4 5 6; do PLAN=plateau SEEDS=$s ABLATION_SEEDS= bash docs/cpu_reproduction.sh; done
 #   PLAN=plateau SEEDS= bash docs/cpu_reproduction.sh          # then the ablations
 #
 # Runs whose steps were slower than their setting's other seeds (eval.py's step-cost table marks them
