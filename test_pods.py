@@ -1231,6 +1231,59 @@ def test_step_costs_read_the_machine_speed_from_steps_2_to_6_and_mark_a_slower_m
     assert row2.split()[-4:] == ["16.0", "1.33", "slower", "machine"]  # 16 / 12 > 1.25
 
 
+def test_speedup_of_means_on_constructed_curves_with_known_answers():
+    base = [([0, 60, 120, 180], [0.1, 0.3, 0.5, 0.6])]  # peak 0.6, target 0.594: reached at 180 s
+    assert evaluation.speedup_of_means(base, [([0, 60, 90], [0.1, 0.5, 0.6])]) == pytest.approx(2.0)
+    assert evaluation.speedup_of_means(base, [([0, 60, 120], [0.1, 0.2, 0.3])]) == 0.0  # never reaches the target
+    assert evaluation.speedup_of_means(base, [([0, 60], [0.7, 0.8])]) == math.inf  # there from the start
+    two_seeds = [([0, 60, 120], [0.1, 0.4, 0.8]), ([0, 60, 120], [0.1, 0.6, 0.4])]  # mean 0.1, 0.5, 0.6
+    assert evaluation.speedup_of_means(base, two_seeds) == pytest.approx(1.5)  # the mean curve, not each seed
+
+
+def test_bootstrap_speedup_interval_collapses_for_identical_seeds_and_counts_resamples_that_never_reach():
+    base = [([0, 60, 120, 180], [0.1, 0.3, 0.5, 0.6])] * 4
+    same = evaluation.bootstrap_speedup(base, [([0, 60, 90], [0.1, 0.5, 0.6])] * 4, resamples=200)
+    assert (same["speedup"], same["low"], same["high"]) == pytest.approx((2.0, 2.0, 2.0)) and same["never"] == 0.0
+    # two seeds reach the target at 90 s, two never do; the mean curve of all four peaks at 0.35
+    mixed = [([0, 60, 90], [0.1, 0.5, 0.6])] * 2 + [([0, 60, 90], [0.1, 0.1, 0.1])] * 2
+    boot = evaluation.bootstrap_speedup(base, mixed, resamples=2000, seed=1)
+    assert boot["speedup"] == 0.0  # seed mean 0.35 < 0.594
+    # a resample's mean curve peaks at 0.1 + 0.125 x (good seeds drawn): only 4 good of 4 reach 0.594, P = 1/16
+    assert boot["never"] == pytest.approx(15 / 16, abs=0.02)
+    assert boot["low"] == 0.0 and boot["high"] == pytest.approx(2.0)  # 6% of resamples reach it, at 90 s
+    better = evaluation.bootstrap_speedup(base, [([0, 60, 90], [0.1, 0.5, 0.6])] * 3 + [([0, 60, 90], [0.1, 0.6, 0.6])])
+    assert 2.0 <= better["low"] <= better["speedup"] <= better["high"] <= 3.0
+
+
+def test_paired_differences_resample_seed_pairs_with_known_intervals():
+    base = [([0, 60, 120], [0.1, 0.2, 0.3]), ([0, 60, 120], [0.1, 0.4, 0.5])]
+    shifted = [([0, 60, 120], [a + 0.1 for a in acc]) for _, acc in base]
+    for mean, low, high in evaluation.paired_differences(base, shifted, [60, 120]):
+        assert (mean, low, high) == pytest.approx((0.1, 0.1, 0.1))  # the same difference in every pair: no spread
+    # differences +0.2 and 0.0 at 60 s: resampled means are 0, 0.1, 0.2 with probabilities 1/4, 1/2, 1/4
+    other = [([0, 60, 120], [0.1, 0.4, 0.3]), ([0, 60, 120], [0.1, 0.4, 0.5])]
+    (mean, low, high), = evaluation.paired_differences(base, other, [60], resamples=4000)
+    assert mean == pytest.approx(0.1) and low == pytest.approx(0.0) and high == pytest.approx(0.2)
+    (mean, _, _), = evaluation.paired_differences(base, other, [30])  # interpolated: +0.1 halfway to 60 s
+    assert mean == pytest.approx(0.05)
+    with pytest.raises(evaluation.EvalError, match="same seeds"):
+        evaluation.paired_differences(base, other[:1], [60])
+
+
+def test_plot_prints_speedup_intervals_and_paired_differences_for_runs_with_the_same_seeds(tmp_path, capsys):
+    runs = []
+    for seed, (g, p) in enumerate([(0.5, 0.6), (0.3, 0.5), (0.4, 0.4)]):  # PODS minus GRPO at 1 min: +0.1, +0.2, 0.0
+        runs.append(fake_run(tmp_path, f"grpo-s{seed}", "none", 8, 8, [(0, 0.1), (60, g), (120, g + 0.1)], seed=seed))
+        runs.append(fake_run(tmp_path, f"pods-s{seed}", "max_variance", 8, 4, [(0, 0.1), (60, p), (120, p + 0.1)], seed=seed))
+    assert evaluation.main(["--plot", *map(str, runs), "--out", str(tmp_path / "f.png")]) == 0
+    out = capsys.readouterr().out
+    assert "speed-up to 0.99 x GRPO n=8's peak, 95% bootstrap interval over seeds" in out
+    row = next(line for line in out.splitlines() if line.startswith("PODS max_variance n=8 m=4") and "[" in line)
+    assert "+0.100 [+0.00, +0.20]" in row  # 1 min: mean of +0.1, +0.2, 0.0; resampled means span 0.0 to 0.2
+    # seed by seed at 0.99 x GRPO's peak (0.5): GRPO seed 1 never reaches 0.495, PODS does at 1 min
+    assert "  seeds at 0.99 x peak: 0: 1.00x  1: baseline never  2: 1.00x" in out.splitlines()
+
+
 def project_copy(root: Path) -> Path:
     """The project's Python files and docs/cpu_reproduction.sh in `root`, for running the script there."""
     here = Path(__file__).parent
