@@ -460,18 +460,20 @@ def paired_speedup(base_runs: list[tuple[list[float], list[float]]], other_runs:
     if len(base_runs) != len(other_runs):
         raise EvalError(f"a speed-up seed by seed needs the same seeds in both settings ({len(base_runs)} against {len(other_runs)} runs)")
 
-    def median_at(indices) -> float:
-        target = frac * max(mean_curve([base_runs[i] for i in indices])[1])
-        ratios = seed_speedups([base_runs[i] for i in indices], [other_runs[i] for i in indices], target)
-        return float(np.median(ratios[~np.isnan(ratios)])) if (~np.isnan(ratios)).any() else math.nan
+    def ratios_of(indices) -> np.ndarray:  # the seeds drawn, their target from their own baseline mean curve
+        base = [base_runs[i] for i in indices]
+        return seed_speedups(base, [other_runs[i] for i in indices], frac * max(mean_curve(base)[1]))
 
-    everyone = range(len(base_runs))
+    def median_of(ratios: np.ndarray) -> float:
+        kept = ratios[~np.isnan(ratios)]
+        return float(np.median(kept)) if len(kept) else math.nan
+
+    seeds = ratios_of(range(len(base_runs)))
     rng = np.random.default_rng(seed)
-    draws = np.array([median_at(rng.integers(len(base_runs), size=len(base_runs))) for _ in range(resamples)])
+    draws = np.array([median_of(ratios_of(rng.integers(len(base_runs), size=len(base_runs)))) for _ in range(resamples)])
     low, high = np.nanquantile(draws, [(1 - level) / 2, (1 + level) / 2], method="nearest")  # a draw may be inf
-    target = frac * max(mean_curve(base_runs)[1])
-    return {"speedup": median_at(everyone), "low": float(low), "high": float(high),
-            "seeds": seed_speedups(base_runs, other_runs, target).tolist(), "level": level, "resamples": resamples}
+    return {"speedup": median_of(seeds), "low": float(low), "high": float(high), "seeds": seeds.tolist(),
+            "level": level, "resamples": resamples}
 
 
 def paired_speedup_by_target(groups: dict[str, list[tuple[list[float], list[float]]]], seeds: dict[str, list[int]],
@@ -652,11 +654,16 @@ def learning_onsets(run_dirs: list[Path], threshold: float = 0.5, window: int = 
 SLOW_MACHINE = 1.25  # a run whose steps 2-6 took this many times its setting's median ran on a slower machine
 
 
+def early_step_seconds(rows: list[dict]) -> float:
+    """The median generation + update seconds of steps 2-6 (metrics.jsonl rows): the machine's speed,
+    as before any run has learned every run of a setting writes ~max-new-tokens (step 1 warms up)."""
+    return float(np.median([r["generation_s"] + r["update_s"] for r in rows[1:6] or rows]))
+
+
 def step_costs(run_dirs: list[Path]) -> list[str]:
     """What a step cost in each run (means over its metrics.jsonl): the time side of the comparison.
 
-    `steps 2-6 s` (the median of generation + update seconds over steps 2-6) reads the machine's speed:
-    before any run has learned, every run of a setting writes ~max-new-tokens, so a run whose steps 2-6
+    `steps 2-6 s` (early_step_seconds) reads the machine's speed: a run whose steps 2-6
     took longer than its setting's other seeds (`x median`, over the runs given of the same setting)
     ran on a slower or busier machine; above SLOW_MACHINE it is marked, as its minutes are not those
     of the other seeds (a wall-clock comparison needs the same idle machine for every run)."""
@@ -667,7 +674,7 @@ def step_costs(run_dirs: list[Path]) -> list[str]:
             config = run / "config.json"
             label = label_of(json.loads(config.read_text())) if config.exists() else run.name
             generation, update = (float(np.mean([r[k] for r in rows])) for k in ("generation_s", "update_s"))
-            early = float(np.median([r["generation_s"] + r["update_s"] for r in rows[1:6] or rows]))
+            early = early_step_seconds(rows)
             costs.append((run.name, label, len(rows), generation, update, rows[-1]["elapsed_s"] / len(rows), early))
     if not costs:
         return []

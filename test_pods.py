@@ -1301,14 +1301,15 @@ def run_reproduction(root: Path, **env: str) -> subprocess.CompletedProcess:
 
 
 STUB_TRAIN = """import json, os, sys
-args = sys.argv[1:]
-out, steps = args[args.index("--out-dir") + 1], int(args[len(args) - 1 - args[::-1].index("--steps") + 1])
-open(os.environ["STUB_LOG"], "a").write(" ".join(args) + "\\n")
-os.makedirs(out, exist_ok=True)
-step_s = float(os.environ["STUB_STEP_S"])
-with open(os.path.join(out, "metrics.jsonl"), "w") as f:
-    for k in range(1, steps + 1):
-        f.write(json.dumps({"step": k, "elapsed_s": k * step_s, "generation_s": step_s / 2, "update_s": step_s / 2}) + "\\n")
+if __name__ == "__main__":  # eval.py imports train
+    args = sys.argv[1:]
+    out, steps = args[args.index("--out-dir") + 1], int(args[len(args) - 1 - args[::-1].index("--steps") + 1])
+    open(os.environ["STUB_LOG"], "a").write(" ".join(args) + "\\n")
+    os.makedirs(out, exist_ok=True)
+    step_s = float(os.environ["STUB_STEP_S"])
+    with open(os.path.join(out, "metrics.jsonl"), "w") as f:
+        for k in range(1, steps + 1):
+            f.write(json.dumps({"step": k, "elapsed_s": k * step_s, "generation_s": step_s / 2, "update_s": step_s / 2}) + "\\n")
 """
 
 

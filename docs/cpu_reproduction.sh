@@ -69,14 +69,13 @@ check_speed() {  # PLAN=plateau, before this invocation's first training: is thi
   rm -rf "$OUT/speed-check"
   python train.py $COMMON --seed 0 --rule none --n 8 --steps 6 --save-every-minutes 0 --out-dir "$OUT/speed-check" > /dev/null 2>&1 \
     || { echo "speed check: train.py failed; see: python train.py $COMMON --seed 0 --rule none --n 8 --steps 6 --out-dir $OUT/speed-check"; exit 1; }
-  python - "$OUT/speed-check/metrics.jsonl" "$KEEP/grpo-n8-s0/metrics.jsonl" <<'EOF'
-import json, statistics, sys
-def steps_2_6(path):  # eval.py step_costs' "steps 2-6 s": the median generation + update seconds
-    rows = [json.loads(line) for line in open(path) if line.strip()]
-    return statistics.median(r["generation_s"] + r["update_s"] for r in rows[1:6])
-now, kept = steps_2_6(sys.argv[1]), steps_2_6(sys.argv[2])
+  python - "$OUT/speed-check" "$KEEP/grpo-n8-s0" <<'EOF'
+import sys
+from pathlib import Path
+import eval
+now, kept = (eval.early_step_seconds(eval.read_metrics(Path(run))) for run in sys.argv[1:])
 print(f"speed check: grpo-n8-s0's steps 2-6 take {now:.1f} s a step here, {kept:.1f} s in its record ({now / kept:.2f}x)")
-if now / kept > 1.25:  # eval.py's SLOW_MACHINE
+if now / kept > eval.SLOW_MACHINE:
     print("this machine is slower than the one the kept runs were timed on, so its minutes would not be theirs: "
           "run again when it is idle, or CHECK_SPEED=0 to train anyway (then read the step-cost tables' x median)")
     sys.exit(1)
