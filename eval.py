@@ -664,24 +664,25 @@ def step_costs(run_dirs: list[Path]) -> list[str]:
     """What a step cost in each run (means over its metrics.jsonl): the time side of the comparison.
 
     `steps 2-6 s` (early_step_seconds) reads the machine's speed: a run whose steps 2-6
-    took longer than its setting's other seeds (`x median`, over the runs given of the same setting)
-    ran on a slower or busier machine; above SLOW_MACHINE it is marked, as its minutes are not those
-    of the other seeds (a wall-clock comparison needs the same idle machine for every run)."""
+    took longer than the other runs doing the same work (`x median`, over the runs given that generate
+    n and update m rollouts a step, whatever their rule: a rules ablation's single run is read against
+    max-variance's seeds) ran on a slower or busier machine; above SLOW_MACHINE it is marked, as its
+    minutes are not those of the other runs (a wall-clock comparison needs the same idle machine)."""
     costs = []
     for run in run_dirs:
         rows = read_metrics(run)
         if rows:
-            config = run / "config.json"
-            label = label_of(json.loads(config.read_text())) if config.exists() else run.name
+            config = json.loads((run / "config.json").read_text()) if (run / "config.json").exists() else {}
+            work = (config["n"], config["n"] if config["rule"] == "none" else config["m"]) if config else run.name
             generation, update = (float(np.mean([r[k] for r in rows])) for k in ("generation_s", "update_s"))
             early = early_step_seconds(rows)
-            costs.append((run.name, label, len(rows), generation, update, rows[-1]["elapsed_s"] / len(rows), early))
+            costs.append((run.name, work, len(rows), generation, update, rows[-1]["elapsed_s"] / len(rows), early))
     if not costs:
         return []
-    medians = {label: float(np.median([c[-1] for c in costs if c[1] == label])) for label in {c[1] for c in costs}}
+    medians = {work: float(np.median([c[-1] for c in costs if c[1] == work])) for work in {c[1] for c in costs}}
     lines = [f"{'run':<28}{'steps':>7}{'generation s':>14}{'update s':>10}{'step s':>8}{'steps 2-6 s':>13}{'x median':>10}"]
-    for name, label, steps, generation, update, step, early in costs:
-        ratio = early / medians[label]
+    for name, work, steps, generation, update, step, early in costs:
+        ratio = early / medians[work]
         lines.append(f"{name:<28}{steps:>7}{generation:>14.1f}{update:>10.1f}{step:>8.1f}{early:>13.1f}{ratio:>10.2f}"
                      + ("  slower machine" if ratio > SLOW_MACHINE else ""))
     return lines

@@ -1212,15 +1212,19 @@ def test_plot_writes_a_png_and_prints_the_speedup_table(tmp_path, capsys):
     assert "pods                              4          20.0      10.0    30.0         30.0      1.00" in out  # its step costs
 
 
+def timed_run(run, config, seconds):
+    """A run directory whose metrics.jsonl has one row per step taking `seconds` (half generation, half update)."""
+    run.mkdir()
+    (run / "config.json").write_text(json.dumps(config))
+    (run / "metrics.jsonl").write_text("".join(json.dumps({"step": i + 1, "elapsed_s": float(sum(seconds[:i + 1])),
+                                                           "generation_s": s / 2, "update_s": s / 2}) + "\n"
+                                               for i, s in enumerate(seconds)))
+    return run
+
+
 def test_step_costs_read_the_machine_speed_from_steps_2_to_6_and_mark_a_slower_machine(tmp_path):
     def run_with(name, seed, seconds):
-        run = tmp_path / name
-        run.mkdir()
-        (run / "config.json").write_text(json.dumps({"rule": "none", "n": 8, "m": 8, "seed": seed}))
-        (run / "metrics.jsonl").write_text("".join(json.dumps({"step": i + 1, "elapsed_s": float(sum(seconds[:i + 1])),
-                                                               "generation_s": s / 2, "update_s": s / 2}) + "\n"
-                                                   for i, s in enumerate(seconds)))
-        return run
+        return timed_run(tmp_path / name, {"rule": "none", "n": 8, "m": 8, "seed": seed}, seconds)
     # step 1 warms up, steps 2-6 come before learning, then completions are short
     fast = [run_with(f"grpo-s{seed}", seed, [50, 10, 12, 11, 30, 13, 5, 5]) for seed in (0, 1)]
     slow = run_with("grpo-s2", 2, [50, 16, 16, 16, 16, 16, 5, 5])
@@ -1230,6 +1234,18 @@ def test_step_costs_read_the_machine_speed_from_steps_2_to_6_and_mark_a_slower_m
     assert row0.split() == ["grpo-s0", "8", "8.5", "8.5", "17.0", "12.0", "1.00"]
     assert row2.split()[-4:] == ["16.0", "1.33", "slower", "machine"]  # 16 / 12 > 1.25
 
+
+
+def test_step_costs_read_a_rules_ablation_run_against_the_runs_doing_the_same_work(tmp_path):
+    def run_with(name, rule, n, m, seconds):
+        return timed_run(tmp_path / name, {"rule": rule, "n": n, "m": m, "seed": 0}, seconds)
+    runs = [run_with("maxvar-s0", "max_variance", 8, 4, [50] + [10] * 5),
+            run_with("maxvar-s1", "max_variance", 8, 4, [50] + [10] * 5),
+            run_with("maxreward-s0", "max_reward", 8, 4, [50] + [13] * 5),  # its only run: read against max-variance's
+            run_with("grpo-s0", "none", 8, 4, [50] + [20] * 5)]  # GRPO updates all 8 (its m is unused): its own work
+    rows = {line.split()[0]: line.split() for line in evaluation.step_costs(runs)[1:]}
+    assert rows["maxreward-s0"][6:] == ["1.30", "slower", "machine"]  # 13 / median(10, 10, 13)
+    assert rows["maxvar-s0"][6:] == ["1.00"] and rows["grpo-s0"][6:] == ["1.00"]
 
 def test_speedup_of_means_on_constructed_curves_with_known_answers():
     base = [([0, 60, 120, 180], [0.1, 0.3, 0.5, 0.6])]  # peak 0.6, target 0.594: reached at 180 s
