@@ -1320,9 +1320,11 @@ STUB_TRAIN = """import json, os, sys
 if __name__ == "__main__":  # eval.py imports train
     args = sys.argv[1:]
     out, steps = args[args.index("--out-dir") + 1], int(args[len(args) - 1 - args[::-1].index("--steps") + 1])
+    calls = open(os.environ["STUB_LOG"]).read().count("\\n") if os.path.exists(os.environ["STUB_LOG"]) else 0
     open(os.environ["STUB_LOG"], "a").write(" ".join(args) + "\\n")
     os.makedirs(out, exist_ok=True)
-    step_s = float(os.environ["STUB_STEP_S"])
+    times = os.environ["STUB_STEP_S"].split(",")  # the k-th call's seconds a step (the last one for later calls)
+    step_s = float(times[min(calls, len(times) - 1)])
     with open(os.path.join(out, "metrics.jsonl"), "w") as f:
         for k in range(1, steps + 1):
             f.write(json.dumps({"step": k, "elapsed_s": k * step_s, "generation_s": step_s / 2, "update_s": step_s / 2}) + "\\n")
@@ -1332,7 +1334,8 @@ if __name__ == "__main__":  # eval.py imports train
 def test_plateau_plan_skips_runs_kept_from_another_machine_and_stops_on_a_slower_one(tmp_path):
     """PLAN=plateau in a fresh checkout (no runs/): seed 0's runs, kept in docs/cpu-plateau, are neither
     trained nor evaluated again; a new seed first repeats grpo-n8-s0's first 6 steps (train.py stubbed:
-    it writes a metrics.jsonl whose steps take STUB_STEP_S) and stops if they take > 1.25x its record."""
+    it writes a metrics.jsonl whose steps take STUB_STEP_S) before each run, and stops if they take > 1.25x
+    its record, also when the machine slows between two runs of an invocation."""
     root = project_copy(tmp_path)
     (root / "train.py").write_text(STUB_TRAIN)
     for name in ("grpo-n8-s0", "pods-n8-m4-s0", "grpo-n4-s0", "pods-n16-m4-s0"):
@@ -1358,7 +1361,14 @@ def test_plateau_plan_skips_runs_kept_from_another_machine_and_stops_on_a_slower
     assert idle.returncode == 0, idle.stderr
     assert "(1.12x)" in idle.stdout
     calls = log.read_text().splitlines()
-    assert len(calls) == 5 and all("--seed 1" in call for call in calls[1:])  # the check, then seed 1's four runs
+    assert len(calls) == 8 and all("--steps 6" in call for call in calls[::2])  # a check before each of seed 1's four runs
+    assert all("--seed 1" in call and "--steps 1000" in call for call in calls[1::2])
+
+    log.unlink()  # seed 2: the machine is at speed for its first run, then slows
+    drift = run_reproduction(root, PLAN="plateau", SEEDS="2", ABLATION_SEEDS="", STAGES="train", STUB_LOG=str(log), STUB_STEP_S="9,9,12")
+    assert drift.returncode == 1 and "(1.12x)" in drift.stdout and "(1.50x)" in drift.stdout
+    calls = log.read_text().splitlines()
+    assert len(calls) == 3 and "grpo-n8-s2" in calls[1] and "--steps 6" in calls[2]  # stopped before pods-n8-m4-s2
 
 
 def test_plateau_report_leaves_out_the_seeds_listed_as_run_on_a_slower_machine(tmp_path):

@@ -32,8 +32,9 @@
 # "slower machine") did not run on the idle machine the comparison needs: list their seed in
 # docs/cpu-plateau/slower-machine-seeds.txt, run a further seed (SEEDS=6), and the tables leave it out.
 #
-# Before its first training, an invocation repeats grpo-n8-s0's first 6 steps and stops (exit 1) if
-# they take more than 1.25x as long as in its record: the machine is busy or slower (CHECK_SPEED=0 skips).
+# Before each training run the script repeats grpo-n8-s0's first 6 steps (~1 minute) and stops (exit 1)
+# if they take more than 1.25x as long as in its record: the machine is busy or slower, and its speed
+# drifts within an hour, so every run is checked, not only the first (CHECK_SPEED=0 skips the checks).
 #
 # Resumable: a finished run (its budget reached) is not redone, an interrupted one continues from its
 # last checkpoint, and evaluated checkpoints are skipped.
@@ -60,11 +61,10 @@ sys.exit(0 if rows and rows[-1]["elapsed_s"] >= float(sys.argv[2]) * 60 else 1)
 EOF
 }
 
-check_speed() {  # PLAN=plateau, before this invocation's first training: is this the kept runs' machine?
-  if [ "$PLAN" != plateau ] || [ "${SPEED_CHECKED:-}" = 1 ] || [ "${CHECK_SPEED:-1}" = 0 ] || [ ! -f "$KEEP/grpo-n8-s0/metrics.jsonl" ]; then
+check_speed() {  # PLAN=plateau, before each training run: is this the kept runs' machine?
+  if [ "$PLAN" != plateau ] || [ "${CHECK_SPEED:-1}" = 0 ] || [ ! -f "$KEEP/grpo-n8-s0/metrics.jsonl" ]; then
     return
   fi
-  SPEED_CHECKED=1
   # The first 6 steps of grpo-n8-s0 again (the same seed and settings, so the same work), against its record.
   rm -rf "$OUT/speed-check"
   python train.py $COMMON --seed 0 --rule none --n 8 --steps 6 --save-every-minutes 0 --out-dir "$OUT/speed-check" > /dev/null 2>&1 \
