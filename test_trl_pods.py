@@ -310,3 +310,69 @@ def test_training_on_arith_logs_kept_reward_stats_and_its_adapter_loads_in_eval(
     assert evaluated.keys() == trained.keys() and all(torch.equal(evaluated[k], trained[k]) for k in trained)
     (result,) = json.loads((adapter / "eval-arith.json").read_text())["results"]
     assert result["checkpoint"] == "adapter" and 0 <= result["accuracy"] <= 1
+
+
+# ----------------------------------------------------------------------------- several processes (torchrun)
+
+TWO_PROCESS_SCRIPT = """import json, os, sys, types
+sys.path.insert(0, {root!r})
+import torch
+import test_trl_pods as t
+import trl_pods
+
+model_dir, out = [a for a in sys.argv[1:] if a != "--"]
+records = []
+
+
+class Spy(trl_pods.PODSGRPOTrainer):
+    def _calculate_rewards(self, inputs, prompts, completions, completion_ids_list):
+        # this process's rollouts scored here, to compare with the rows PODS takes from TRL's gathered rewards
+        task = torch.tensor(t.task_reward(completions, [x["answer"] for x in inputs]))
+        self.local_rewards = task + t.LENGTH_WEIGHT * torch.tensor(t.length_reward(completions))
+        return super()._calculate_rewards(inputs, prompts, completions, completion_ids_list)
+
+    def downsample_batch(self, batch, rewards):
+        kept = super().downsample_batch(batch, rewards)
+        records.append({{"rewards": rewards.tolist(), "local_rewards": self.local_rewards.tolist(),
+                        "gathered_rows": len(self.rewards_per_func), "kept_rows": len(kept["advantages"]),
+                        "num_items_in_batch": int(kept["num_items_in_batch"]),
+                        "local_kept_tokens": int(kept["completion_mask"].sum())}})
+        return kept
+
+
+trainer = t.make_trainer(types.SimpleNamespace(PODSGRPOTrainer=Spy), model_dir, out, max_steps=2)
+before = {{k: v.detach().clone() for k, v in trainer.model.named_parameters() if v.requires_grad}}
+trainer.train()
+after = {{k: v.detach() for k, v in trainer.model.named_parameters() if v.requires_grad}}
+rank = trainer.accelerator.process_index
+os.makedirs(out, exist_ok=True)  # TRL creates its output_dir on the main process only
+json.dump({{"world_size": trainer.accelerator.num_processes, "records": records,
+           "moved": any(not torch.equal(before[k], after[k]) for k in after),
+           "weights": {{k: v.double().sum().item() for k, v in after.items()}}}}, open(f"{{out}}/rank{{rank}}.json", "w"))
+"""
+
+
+def test_two_processes_each_select_from_their_own_rewards_and_train_the_same_adapter(trl_pods, tiny_model_dir, tmp_path):
+    """torchrun with 2 processes on the CPU (gloo), as a multi-GPU user runs TRL: TRL gathers every process's rewards,
+    and each process must keep m of its own rollouts' n, whose rewards PODS slices from the gathered tensor."""
+    script = tmp_path / "two_process_trl.py"
+    script.write_text(TWO_PROCESS_SCRIPT.format(root=str(test_pods.Path(__file__).parent)))
+    out = tmp_path / "out"
+    done = test_pods.torchrun(2, str(tiny_model_dir), str(out), script=str(script))
+    assert done.returncode == 0, done.stderr[-3000:]
+    ranks = [json.loads((out / f"rank{r}.json").read_text()) for r in (0, 1)]
+    assert [r["world_size"] for r in ranks] == [2, 2]
+    for rank in ranks:
+        assert len(rank["records"]) == 2  # one generation batch per optimizer step
+        for record in rank["records"]:
+            rows = MICRO_BATCH * STEPS  # this process's rollouts: whole groups of N
+            assert record["gathered_rows"] == 2 * rows and len(record["rewards"]) == rows
+            assert record["rewards"] == pytest.approx(record["local_rewards"])  # its own rows of the gathered rewards
+            assert record["kept_rows"] == rows * M // N
+    local = [[rec["local_rewards"] for rec in rank["records"]] for rank in ranks]
+    assert local[0] != local[1]  # the processes scored different rollouts, so a wrong slice would show
+    for step in range(2):  # num_items_in_batch counts both processes' kept tokens
+        assert all(rank["records"][step]["num_items_in_batch"] == sum(r["records"][step]["local_kept_tokens"] for r in ranks)
+                   for rank in ranks)
+    assert ranks[0]["moved"] and ranks[1]["moved"]
+    assert ranks[0]["weights"] == pytest.approx(ranks[1]["weights"], rel=1e-6)  # DDP kept the adapters equal
