@@ -188,10 +188,23 @@ def is_result_of(result: dict, target: Target, base: str) -> bool:
             and math.isclose(result["elapsed_s"], target.elapsed_s, abs_tol=1e-6))
 
 
+def generation_code() -> dict:
+    """What, besides the settings, decides the text sampled with a seed: sampling.py's source and the
+    versions of the libraries that generate (a new sampler draws another random stream)."""
+    from importlib import metadata
+
+    versions = {}
+    for package in ("torch", "transformers", "vllm"):
+        with contextlib.suppress(metadata.PackageNotFoundError):
+            versions[package] = metadata.version(package)
+    return {"sampling.py": hashlib.sha256(Path(sampling.__file__).read_bytes()).hexdigest()[:16], **versions}
+
+
 def base_cache_file(base: str, settings: Settings) -> Path:
     """Where the base model's result for these settings is kept: every run of one model starts
-    from the same weights, so its step-0 point is evaluated once, not once per run."""
-    key = json.dumps({"model": base, **settings.key()}, sort_keys=True)
+    from the same weights, so its step-0 point is evaluated once, not once per run, and again after
+    the generation code changes (so that a run's base point comes from the code its checkpoints do)."""
+    key = json.dumps({"model": base, **settings.key(), **generation_code()}, sort_keys=True)
     return BASE_CACHE / f"{hashlib.sha256(key.encode()).hexdigest()[:16]}.json"
 
 
