@@ -16,9 +16,9 @@
 #
 # PLAN=plateau: the comparisons run to GRPO's plateau (BUDGET=15 minutes a run, from the probe in
 # docs/cpu-reproduction.md), with SEEDS="0 1 2 3 4 5 6" paired seeds (4 ran on a slower machine and is
-# left out of the tables: 6 replaces it), into runs/cpu-plateau and docs/cpu-plateau/: ~10.5 hours on 2
-# cores (32 runs of 15 minutes, then ~4.5 minutes of evaluation each on an idle machine), meant to run
-# in parts (Ctrl-C, then the same command continues, in a fresh checkout too):
+# left out of the tables: 6 replaces it), into runs/cpu-plateau and docs/cpu-plateau/: ~11 hours on 2
+# cores (32 runs of 15 minutes, each after a 1-minute speed check and then ~4.5 minutes of evaluation on
+# an idle machine), meant to run in parts (Ctrl-C, then the same command continues, in a fresh checkout too):
 #   1. equal rollouts generated (the paper's multi-GPU setting): GRPO n=8 against PODS n=8 m=4
 #   2. equal rollouts updated (its single-GPU setting): GRPO n=4 against PODS n=16 m=4
 #   3. n at m=4 (from 1 and 2): GRPO n=4, PODS n=8 m=4, PODS n=16 m=4     (6 seeds)
