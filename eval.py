@@ -686,7 +686,7 @@ def step_costs(run_dirs: list[Path]) -> list[str]:
         rows = read_metrics(run)
         if rows:
             config = json.loads((run / "config.json").read_text()) if (run / "config.json").exists() else {}
-            work = (config["n"], config["n"] if config["rule"] == "none" else config["m"]) if config else run.name
+            work = (config["n"], config["m"]) if config else run.name  # train.py records m = n for GRPO
             generation, update = (float(np.mean([r[k] for r in rows])) for k in ("generation_s", "update_s"))
             early = early_step_seconds(rows)
             costs.append((run.name, work, len(rows), generation, update, rows[-1]["elapsed_s"] / len(rows), early))

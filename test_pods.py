@@ -1121,7 +1121,6 @@ def test_eval_reuses_the_base_model_result_across_runs(tiny_run, tmp_path, caplo
     assert [r["checkpoint"] for r in again] == ["base", "checkpoint-1", "checkpoint-2"] and again[0] == base
 
 
-
 def test_eval_does_not_reuse_a_base_result_sampled_by_other_generation_code(tmp_path, monkeypatch):
     settings = evaluation.Settings("arith", 4, samples=1, repeats=1, temperature=0.9, max_new_tokens=8)
     same = tmp_path / "sampling.py"
@@ -1132,6 +1131,7 @@ def test_eval_does_not_reuse_a_base_result_sampled_by_other_generation_code(tmp_
     same.write_bytes(same.read_bytes() + b"\n# a changed sampler\n")
     assert evaluation.base_cache_file("model", settings) != before  # a new sampler's random stream: evaluated again
     assert {"sampling.py", "torch", "transformers"} <= evaluation.generation_code().keys()
+
 
 def test_eval_defaults_to_the_runs_generation_settings_and_redoes_retrained_checkpoints(tiny_run, tmp_path, caplog):
     import shutil
@@ -1255,7 +1255,7 @@ def test_step_costs_read_a_rules_ablation_run_against_the_runs_doing_the_same_wo
     runs = [run_with("maxvar-s0", "max_variance", 8, 4, [50] + [10] * 5),
             run_with("maxvar-s1", "max_variance", 8, 4, [50] + [10] * 5),
             run_with("maxreward-s0", "max_reward", 8, 4, [50] + [13] * 5),  # its only run: read against max-variance's
-            run_with("grpo-s0", "none", 8, 4, [50] + [20] * 5)]  # GRPO updates all 8 (its m is unused): its own work
+            run_with("grpo-s0", "none", 8, 8, [50] + [20] * 5)]  # GRPO updates all 8 (train.py records m = n): its own work
     rows = {line.split()[0]: line.split() for line in evaluation.step_costs(runs)[1:]}
     assert rows["maxreward-s0"][6:] == ["1.30", "slower", "machine"]  # 13 / median(10, 10, 13)
     assert rows["maxvar-s0"][6:] == ["1.00"] and rows["grpo-s0"][6:] == ["1.00"]
@@ -1352,10 +1352,7 @@ def test_plateau_plan_skips_runs_kept_from_another_machine_and_stops_on_a_slower
     root = project_copy(tmp_path)
     (root / "train.py").write_text(STUB_TRAIN)
     for name in ("grpo-n8-s0", "pods-n8-m4-s0", "grpo-n4-s0", "pods-n16-m4-s0"):
-        kept = root / "docs" / "cpu-plateau" / name
-        kept.mkdir()
-        (kept / "metrics.jsonl").write_text("".join(json.dumps({"step": k, "elapsed_s": 8.0 * k, "generation_s": 3.0, "update_s": 5.0}) + "\n"
-                                                    for k in range(1, 121)))  # 8 s a step, 16 minutes
+        kept = timed_run(root / "docs" / "cpu-plateau" / name, {"seed": 0}, [8.0] * 120)  # 8 s a step, 16 minutes
         (kept / "eval-arith-2.json").write_text("{}")
     log = tmp_path / "train-calls.txt"
     done = run_reproduction(root, PLAN="plateau", SEEDS="0", ABLATION_SEEDS="", STAGES="train eval", STUB_LOG=str(log), STUB_STEP_S="8")

@@ -9,6 +9,7 @@ from __future__ import annotations
 import json
 import os
 from collections import Counter
+from pathlib import Path
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")  # no model hub: every model here is a local directory
 os.environ.setdefault("HF_DATASETS_OFFLINE", "1")
@@ -356,7 +357,7 @@ def test_two_processes_each_select_from_their_own_rewards_and_train_the_same_ada
     """torchrun with 2 processes on the CPU (gloo), as a multi-GPU user runs TRL: TRL gathers every process's rewards,
     and each process must keep m of its own rollouts' n, whose rewards PODS slices from the gathered tensor."""
     script = tmp_path / "two_process_trl.py"
-    script.write_text(TWO_PROCESS_SCRIPT.format(root=str(test_pods.Path(__file__).parent)))
+    script.write_text(TWO_PROCESS_SCRIPT.format(root=str(Path(__file__).parent)))
     out = tmp_path / "out"
     done = test_pods.torchrun(2, str(tiny_model_dir), str(out), script=str(script))
     assert done.returncode == 0, done.stderr[-3000:]
