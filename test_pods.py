@@ -1314,12 +1314,13 @@ def test_plot_prints_speedup_intervals_and_paired_differences_for_runs_with_the_
 
 
 def project_copy(root: Path) -> Path:
-    """The project's Python files and docs/cpu_reproduction.sh in `root`, for running the script there."""
+    """The project's Python files, docs/cpu_reproduction.sh and docs/take_turns.py in `root`, for running the script there."""
     here = Path(__file__).parent
     (root / "docs" / "cpu-plateau").mkdir(parents=True)
     for py in here.glob("*.py"):
         (root / py.name).write_text(py.read_text())
-    (root / "docs" / "cpu_reproduction.sh").write_text((here / "docs" / "cpu_reproduction.sh").read_text())
+    for script in ("cpu_reproduction.sh", "take_turns.py"):
+        (root / "docs" / script).write_text((here / "docs" / script).read_text())
     return root
 
 
@@ -1330,9 +1331,11 @@ def run_reproduction(root: Path, **env: str) -> subprocess.CompletedProcess:
 
 
 STUB_TRAIN = """import json, os, sys
-if __name__ == "__main__":  # eval.py imports train
-    args = sys.argv[1:]
+def write_row(metrics_file, row):
+    metrics_file.write(json.dumps(row) + "\\n")
+def main(args):  # metrics rows for --steps steps or the time budget, without training
     out, steps = args[args.index("--out-dir") + 1], int(args[len(args) - 1 - args[::-1].index("--steps") + 1])
+    budget_s = 60 * float(args[args.index("--time-budget") + 1])
     calls = open(os.environ["STUB_LOG"]).read().count("\\n") if os.path.exists(os.environ["STUB_LOG"]) else 0
     open(os.environ["STUB_LOG"], "a").write(" ".join(args) + "\\n")
     os.makedirs(out, exist_ok=True)
@@ -1340,7 +1343,12 @@ if __name__ == "__main__":  # eval.py imports train
     step_s = float(times[min(calls, len(times) - 1)])
     with open(os.path.join(out, "metrics.jsonl"), "w") as f:
         for k in range(1, steps + 1):
-            f.write(json.dumps({"step": k, "elapsed_s": k * step_s, "generation_s": step_s / 2, "update_s": step_s / 2}) + "\\n")
+            write_row(f, {"step": k, "elapsed_s": k * step_s, "generation_s": step_s / 2, "update_s": step_s / 2})
+            if k * step_s >= budget_s:
+                break
+    return 0
+if __name__ == "__main__":  # eval.py imports train
+    sys.exit(main(sys.argv[1:]))
 """
 
 
@@ -1379,6 +1387,83 @@ def test_plateau_plan_skips_runs_kept_from_another_machine_and_stops_on_a_slower
     assert drift.returncode == 1 and "(1.12x)" in drift.stdout and "(1.50x)" in drift.stdout
     calls = log.read_text().splitlines()
     assert len(calls) == 3 and "grpo-n8-s2" in calls[1] and "--steps 6" in calls[2]  # stopped before pods-n8-m4-s2
+
+
+LENGTH_REWARD_LAUNCHER = """import runpy, sys
+sys.path.insert(0, sys.argv.pop(1))  # the project
+import rewards
+rewards.reward = lambda completion, answer: float(len(completion) % 3)  # test_pods.length_reward, for a random model
+sys.argv = sys.argv[1:]
+runpy.run_path(sys.argv[0], run_name="__main__")
+"""
+
+
+def test_take_turns_runs_one_step_at_a_time_and_changes_nothing_but_the_clock(tiny_model_dir, tmp_path):
+    """docs/take_turns.py, as docs/cpu_reproduction.sh starts it (one process a run, together): two runs'
+    turns never overlap and alternate (start-up and step 1, steps 2 and 3, final checkpoint), each run's
+    metrics and adapter are those of the same run made alone, and its elapsed_s counts its own turns only."""
+    import time
+
+    from safetensors.torch import load_file
+
+    here = Path(__file__).parent
+    launcher = tmp_path / "launch.py"
+    launcher.write_text(LENGTH_REWARD_LAUNCHER)
+    turn_dir = tmp_path / "turns"
+
+    def start(name: str, seed: int, *wrapper: str) -> subprocess.Popen:
+        argv = tiny_args(tiny_model_dir, tmp_path / name, "--steps", "3", "--seed", str(seed))
+        return subprocess.Popen([sys.executable, str(launcher), str(here), *wrapper, str(here / "train.py"), *argv],
+                                cwd=here, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+
+    alone = start("alone", 0)
+    assert alone.wait(timeout=300) == 0, alone.stderr.read()
+    wrapper = (str(here / "docs" / "take_turns.py"), str(turn_dir))
+    first = start("a", 0, *wrapper)
+    time.sleep(1.0)  # a joins the rotation before b
+    second = start("b", 1, *wrapper)
+    time.sleep(1.0)
+    (turn_dir / "start").touch()
+    for process in (first, second):
+        assert process.wait(timeout=300) == 0, process.stderr.read()
+
+    turns = [json.loads(line) for line in (turn_dir / "turns.jsonl").read_text().splitlines()]
+    assert [(t["run"], t["step"]) for t in turns] == [("a", 1), ("b", 1), ("a", 2), ("b", 2), ("a", 3), ("b", 3),
+                                                      ("a", None), ("b", None)]
+    assert all(earlier["end"] <= later["start"] for earlier, later in zip(turns, turns[1:]))  # one at a time
+    assert [json.loads(line) for line in (tmp_path / "a" / "turns.jsonl").read_text().splitlines()] == turns[::2]
+    timing = {"elapsed_s", "generation_s", "update_s"}
+    strip = lambda rows: [{k: v for k, v in row.items() if k not in timing} for row in rows]  # noqa: E731
+    assert strip(read_metrics(tmp_path / "a")) == strip(read_metrics(tmp_path / "alone"))
+    adapter = load_file(tmp_path / "a" / "checkpoint-3" / "adapter_model.safetensors")
+    assert adapter.keys() == (alone_adapter := load_file(tmp_path / "alone" / "checkpoint-3" / "adapter_model.safetensors")).keys()
+    assert all(torch.equal(adapter[key], alone_adapter[key]) for key in adapter)
+    for name in ("a", "b"):  # its steps only: less than its own turns, which also hold its start-up and checkpoints
+        own = sum(t["end"] - t["start"] for t in turns if t["run"] == name)
+        assert 0 < read_metrics(tmp_path / name)[-1]["elapsed_s"] < own
+
+
+def test_plateau_plan_taking_turns_starts_a_seeds_runs_together_and_alternates_their_steps(tmp_path):
+    """TAKE_TURNS=1: a seed's four runs start together under docs/take_turns.py, without speed checks (they
+    share the machine's speed, whatever it is), step in turn in the plan's order (train.py stubbed: 9 s a
+    step, so 100 steps to the 15-minute budget), and the script returns when all four have finished; run
+    again, it has nothing left to do."""
+    root = project_copy(tmp_path)
+    (root / "train.py").write_text(STUB_TRAIN)
+    log = tmp_path / "train-calls.txt"
+    env = dict(PLAN="plateau", SEEDS="1", ABLATION_SEEDS="", STAGES="train", TAKE_TURNS="1", STUB_LOG=str(log), STUB_STEP_S="9")
+    done = run_reproduction(root, **env)
+    assert done.returncode == 0, done.stdout + done.stderr
+    calls = log.read_text().splitlines()
+    assert len(calls) == 4 and all("--seed 1" in call and "--steps 1000" in call for call in calls)  # no speed check
+    names = ["grpo-n8-s1", "pods-n8-m4-s1", "grpo-n4-s1", "pods-n16-m4-s1"]
+    turns = [json.loads(line) for line in (root / "runs" / "cpu-plateau" / "turns" / "turns.jsonl").read_text().splitlines()]
+    assert len(turns) == 4 * 101 and [t["run"] for t in turns] == names * 101  # 100 steps, then the last turn each
+    assert all(earlier["end"] <= later["start"] for earlier, later in zip(turns, turns[1:]))
+    for name in names:
+        assert read_metrics(root / "runs" / "cpu-plateau" / name)[-1]["elapsed_s"] == 900
+    again = run_reproduction(root, **env)
+    assert again.returncode == 0 and len(log.read_text().splitlines()) == 4
 
 
 def test_plateau_report_leaves_out_the_seeds_listed_as_run_on_a_slower_machine(tmp_path):

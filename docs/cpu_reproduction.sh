@@ -36,8 +36,14 @@
 # if they take more than 1.25x as long as in its record: the machine is busy or slower, and its speed
 # drifts within an hour, so every run is checked, not only the first (CHECK_SPEED=0 skips the checks).
 #
+# TAKE_TURNS=1 (for a machine whose speed drifts): a seed's runs start together and take turns a training
+# step at a time (docs/take_turns.py), so a slow minute falls on all of them alike; the speed checks are
+# skipped (the seed's step-cost rows show the machine's speed), each run logs to $OUT/NAME.log, and
+# Ctrl-C (or kill) makes each save a checkpoint in its turn. A run that took turns keeps its turns.jsonl.
+#
 # Resumable: a finished run (its budget reached) is not redone, an interrupted one continues from its
 # last checkpoint, and evaluated checkpoints are skipped.
+{  # read whole before it runs: editing or pulling this file during an hours-long run cannot change it
 set -euo pipefail
 cd "$(dirname "$0")/.."
 PLAN=${PLAN:-first}
@@ -48,6 +54,7 @@ else
   BUDGET=${BUDGET:-3}; OUT=${OUT:-runs/cpu}; KEEP=docs/cpu
 fi
 STAGES=${STAGES:-"train eval report"}
+TAKE_TURNS=${TAKE_TURNS:-0}
 TASK=arith:2
 COMMON="--dataset $TASK --prompts-per-step 4 --max-new-tokens 32 --lr 3e-4 --steps 1000 --time-budget $BUDGET
         --save-every-minutes 1 --save-every-steps 0 --warmup-ratio 0"
@@ -85,13 +92,42 @@ EOF
 run() {  # a run finished here, or kept in docs from another machine (runs/ is not in git), is not redone
   local dir=$OUT/$1 kept=$KEEP/$1; shift
   if finished "$dir" || { [ ! -d "$dir" ] && finished "$kept"; }; then return; fi
-  check_speed
   if ls "$dir" 2>/dev/null | grep -q checkpoint-; then
-    python train.py $COMMON "$@" --out-dir "$dir" --resume
+    set -- "$@" --resume
   else
     rm -rf "$dir"  # a run that died before its first checkpoint starts over
+  fi
+  if [ "$TAKE_TURNS" = 1 ]; then  # started now, trained in turn with the seed's other runs (took_turns waits for them)
+    mkdir -p "$OUT"; [ ${#TURN_PIDS[@]} -gt 0 ] || rm -rf "$OUT/turns"  # a new rotation
+    set -m  # in its own process group: a Ctrl-C reaches the runs once, from stop_turns, not also from the terminal
+    python docs/take_turns.py "$OUT/turns" train.py $COMMON "$@" --out-dir "$dir" >> "$dir.log" 2>&1 &
+    set +m
+    TURN_PIDS+=($!)
+    echo "started $(basename "$dir") (taking turns; its log: $dir.log)"
+    sleep 1  # the runs join the rotation in the plan's order
+  else
+    check_speed
     python train.py $COMMON "$@" --out-dir "$dir"
   fi
+}
+
+TURN_PIDS=()
+stop_turns() {  # Ctrl-C or kill: each run finishes its step, saves a checkpoint and exits (resumable)
+  trap - INT TERM
+  echo "stopping: each run saves a checkpoint in its turn"
+  kill -TERM "${TURN_PIDS[@]}" 2>/dev/null || true
+  wait
+  exit 130
+}
+took_turns() {  # TAKE_TURNS=1: wait for the runs started together to end
+  [ ${#TURN_PIDS[@]} -gt 0 ] || return 0
+  trap stop_turns INT TERM
+  mkdir -p "$OUT/turns"; touch "$OUT/turns/start"  # all have joined: the first run's turn begins
+  local pid failed=0
+  for pid in "${TURN_PIDS[@]}"; do wait "$pid" || failed=1; done
+  trap - INT TERM
+  TURN_PIDS=()
+  if [ $failed = 1 ]; then echo "a run taking turns failed: see the end of its log in $OUT/*.log"; exit 1; fi
 }
 
 RUNS=()
@@ -104,10 +140,12 @@ if [ "$PLAN" = plateau ]; then
     plan pods-n8-m4-s$seed --seed $seed --rule max_variance --n 8 --m 4     # 1: PODS keeps 4 of the same 8
     plan grpo-n4-s$seed --seed $seed --rule none --n 4                      # 2: GRPO on n = m = 4
     plan pods-n16-m4-s$seed --seed $seed --rule max_variance --n 16 --m 4   # 2: PODS keeps 4 of 16
+    took_turns
   done
   for seed in $ABLATION_SEEDS; do  # after the comparisons: lower-powered
     plan maxreward-n8-m4-s$seed --seed $seed --rule max_reward --n 8 --m 4  # 4: the other rules
     plan random-n8-m4-s$seed --seed $seed --rule random --n 8 --m 4
+    took_turns
   done
 else
 for seed in 0 1 2; do
@@ -130,6 +168,7 @@ evaluate() {  # a run still training (run in parts) waits for a later invocation
   python eval.py "$OUT/$1" $EVAL
   mkdir -p "$KEEP/$1"
   cp "$OUT/$1"/{config.json,metrics.jsonl,eval-arith-2.json} "$KEEP/$1/"
+  if [ -f "$OUT/$1/turns.jsonl" ]; then cp "$OUT/$1/turns.jsonl" "$KEEP/$1/"; fi  # TAKE_TURNS=1: when it computed
 }
 if [[ " $STAGES " == *" eval "* ]]; then  # comparison 1 first, then the others
   for name in "${RUNS[@]}"; do case $name in grpo-n8-*|pods-n8-*) evaluate "$name";; esac; done
@@ -165,3 +204,5 @@ fi
 if [[ " $STAGES " == *" train "* ]]; then
   echo "this invocation: training $(( (trained - start) / 60 )) min, evaluation $(( (evaluated - trained) / 60 )) min" | tee -a docs/cpu_time.txt
 fi
+exit
+}

@@ -1,0 +1,139 @@
+"""Several train.py runs on one machine, taking turns a training step at a time.
+
+A wall-clock comparison is fair only if every method meets the same machine, and a shared machine's
+speed drifts (the CPU this project's reproduction ran on was 1.2-1.7x slower for hours at a time). Runs
+started with the same turn directory compute one at a time: each does one training step in its turn (and
+in its first turn its start-up, in its last its final checkpoint), then hands the turn to the next run, so
+a slow minute of the machine falls on all of them alike. Nothing else about a run changes: it trains on
+the same batches with the same random numbers as alone, and its `elapsed_s` still counts its own steps
+only, because train.py times a step from its batch to its metrics row and the wait comes after the row.
+
+    python docs/take_turns.py TURN_DIR train.py ARGS... &   # in the project root, once per run
+    touch TURN_DIR/start                                     # once all have started: the first turn begins
+
+The runs take their turns in the order they were started.
+
+Each turn is logged (run, step, start and end wall time) to TURN_DIR/turns.jsonl and to the run's own
+turns.jsonl in its --out-dir. A run that dies leaves the rotation when the others notice that its process
+is gone.
+"""
+
+from __future__ import annotations
+
+import fcntl
+import json
+import os
+import sys
+import time
+from contextlib import contextmanager
+from pathlib import Path
+
+POLL_S = 0.01  # how often a waiting run looks at the turn: ~0.1% of a CPU step of a few seconds
+
+
+class Turns:
+    """The rotation, kept in TURN_DIR/state.json ({"order": [pids], "turn": pid}) under a file lock."""
+
+    def __init__(self, turn_dir: Path, out_dir: Path | None):
+        self.dir, self.out_dir, self.pid = turn_dir, out_dir, os.getpid()
+        self.name = out_dir.name if out_dir else str(self.pid)
+        self.dir.mkdir(parents=True, exist_ok=True)
+        self.turn_start = None
+
+    @contextmanager
+    def state(self):
+        with open(self.dir / "lock", "a") as lock:
+            fcntl.flock(lock, fcntl.LOCK_EX)
+            path = self.dir / "state.json"
+            before = path.read_text() if path.exists() else json.dumps({"order": [], "turn": None})
+            state = json.loads(before)
+            yield state
+            if json.dumps(state) != before:
+                path.write_text(json.dumps(state))
+
+    def join(self) -> None:
+        with self.state() as state:
+            state["order"].append(self.pid)
+            if state["turn"] is None:
+                state["turn"] = self.pid
+
+    def wait(self) -> None:
+        """Until it is this run's turn; a turn holder whose process is gone is dropped."""
+        while True:
+            with self.state() as state:
+                if state["turn"] == self.pid:
+                    break
+                if not alive(state["turn"]):
+                    pass_on(state, state["turn"], leave=True)
+            time.sleep(POLL_S)
+        self.turn_start = time.time()
+
+    def hand_on(self, step: int | None, leave: bool = False) -> None:
+        """The turn to the next run, after logging this one (`leave`: and this run leaves the rotation)."""
+        if self.turn_start is not None:
+            line = json.dumps({"run": self.name, "pid": self.pid, "step": step, "start": self.turn_start, "end": time.time()})
+            for log in (self.dir, self.out_dir) if self.out_dir and self.out_dir.is_dir() else (self.dir,):
+                with open(log / "turns.jsonl", "a") as f:
+                    f.write(line + "\n")
+            self.turn_start = None
+        with self.state() as state:
+            pass_on(state, self.pid, leave)
+
+
+def alive(pid: int | None) -> bool:
+    if pid is None:
+        return False
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
+
+
+def pass_on(state: dict, pid: int, leave: bool) -> None:
+    """The turn goes from `pid` to the run after it in the order (`leave`: and `pid` leaves the order)."""
+    order = state["order"]
+    if pid not in order:
+        return
+    i = order.index(pid)
+    if leave:
+        order.pop(i)
+        following = order[i % len(order)] if order else None
+    else:
+        following = order[(i + 1) % len(order)]
+    if state["turn"] == pid:
+        state["turn"] = following
+
+
+def main() -> int:
+    if len(sys.argv) < 3 or not sys.argv[2].endswith("train.py"):
+        print("usage: python docs/take_turns.py TURN_DIR train.py ARGS... (in the project root)", file=sys.stderr)
+        return 2
+    turn_dir, script, argv = Path(sys.argv[1]), sys.argv[2], sys.argv[3:]
+    out_dir = Path(argv[argv.index("--out-dir") + 1]) if "--out-dir" in argv else None
+    turns = Turns(turn_dir, out_dir)
+    turns.join()
+    try:
+        while not (turn_dir / "start").exists():  # until the whole group has joined
+            time.sleep(POLL_S)
+        turns.wait()  # before torch is imported: a start-up is work too
+        sys.path.insert(0, str(Path(script).resolve().parent))
+        import train
+
+        write_row = train.write_row
+
+        def write_row_then_hand_on(metrics_file, row: dict) -> None:  # the step's time is taken by now
+            write_row(metrics_file, row)
+            turns.hand_on(row["step"])
+            turns.wait()
+
+        train.write_row = write_row_then_hand_on
+        return train.main(argv)
+    finally:  # finished, failed or interrupted: the others go on without it
+        turns.hand_on(None, leave=True)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
