@@ -1389,6 +1389,17 @@ def test_plateau_plan_skips_runs_kept_from_another_machine_and_stops_on_a_slower
     assert len(calls) == 3 and "grpo-n8-s2" in calls[1] and "--steps 6" in calls[2]  # stopped before pods-n8-m4-s2
 
 
+def assert_least_trained_goes_next(turns: list[dict]) -> None:
+    """Every turn of docs/take_turns.py went to a run with the fewest seconds trained among those not done."""
+    clock, done = {t["run"]: -1.0 for t in turns}, set()
+    for t in turns:
+        assert clock[t["run"]] == min(c for run, c in clock.items() if run not in done), t
+        if t["step"] is None:
+            done.add(t["run"])
+        else:
+            clock[t["run"]] = t["elapsed_s"]
+
+
 LENGTH_REWARD_LAUNCHER = """import runpy, sys
 sys.path.insert(0, sys.argv.pop(1))  # the project
 import rewards
@@ -1428,10 +1439,12 @@ def test_take_turns_runs_one_step_at_a_time_and_changes_nothing_but_the_clock(ti
         assert process.wait(timeout=300) == 0, process.stderr.read()
 
     turns = [json.loads(line) for line in (turn_dir / "turns.jsonl").read_text().splitlines()]
-    assert [(t["run"], t["step"]) for t in turns] == [("a", 1), ("b", 1), ("a", 2), ("b", 2), ("a", 3), ("b", 3),
-                                                      ("a", None), ("b", None)]
+    assert [(t["run"], t["step"]) for t in turns[:2]] == [("a", 1), ("b", 1)]  # start-ups first, in order
+    assert sorted(t["step"] or 9 for t in turns if t["run"] == "a") == [1, 2, 3, 9]  # 9: the last turn
     assert all(earlier["end"] <= later["start"] for earlier, later in zip(turns, turns[1:]))  # one at a time
-    assert [json.loads(line) for line in (tmp_path / "a" / "turns.jsonl").read_text().splitlines()] == turns[::2]
+    assert_least_trained_goes_next(turns)
+    assert [json.loads(line) for line in (tmp_path / "a" / "turns.jsonl").read_text().splitlines()] == [
+        t for t in turns if t["run"] == "a"]
     timing = {"elapsed_s", "generation_s", "update_s"}
     strip = lambda rows: [{k: v for k, v in row.items() if k not in timing} for row in rows]  # noqa: E731
     assert strip(read_metrics(tmp_path / "a")) == strip(read_metrics(tmp_path / "alone"))
@@ -1443,23 +1456,25 @@ def test_take_turns_runs_one_step_at_a_time_and_changes_nothing_but_the_clock(ti
         assert 0 < read_metrics(tmp_path / name)[-1]["elapsed_s"] < own
 
 
-def test_plateau_plan_taking_turns_starts_a_seeds_runs_together_and_alternates_their_steps(tmp_path):
+def test_plateau_plan_taking_turns_starts_a_seeds_runs_together_and_keeps_their_clocks_together(tmp_path):
     """TAKE_TURNS=1: a seed's four runs start together under docs/take_turns.py, without speed checks (they
-    share the machine's speed, whatever it is), step in turn in the plan's order (train.py stubbed: 9 s a
-    step, so 100 steps to the 15-minute budget), and the script returns when all four have finished; run
-    again, it has nothing left to do."""
+    share the machine's speed, whatever it is), take turns so that their training clocks stay within a step
+    (train.py stubbed: 9 s a step, PODS n=8 m=4's 12 s, so 100 and 75 steps to the 15-minute budget), and
+    the script returns when all four have finished; run again, it has nothing left to do."""
     root = project_copy(tmp_path)
     (root / "train.py").write_text(STUB_TRAIN)
     log = tmp_path / "train-calls.txt"
-    env = dict(PLAN="plateau", SEEDS="1", ABLATION_SEEDS="", STAGES="train", TAKE_TURNS="1", STUB_LOG=str(log), STUB_STEP_S="9")
+    env = dict(PLAN="plateau", SEEDS="1", ABLATION_SEEDS="", STAGES="train", TAKE_TURNS="1", STUB_LOG=str(log), STUB_STEP_S="9,12,9")
     done = run_reproduction(root, **env)
     assert done.returncode == 0, done.stdout + done.stderr
     calls = log.read_text().splitlines()
     assert len(calls) == 4 and all("--seed 1" in call and "--steps 1000" in call for call in calls)  # no speed check
     names = ["grpo-n8-s1", "pods-n8-m4-s1", "grpo-n4-s1", "pods-n16-m4-s1"]
     turns = [json.loads(line) for line in (root / "runs" / "cpu-plateau" / "turns" / "turns.jsonl").read_text().splitlines()]
-    assert len(turns) == 4 * 101 and [t["run"] for t in turns] == names * 101  # 100 steps, then the last turn each
+    assert [t["run"] for t in turns[:4]] == names  # start-ups first, in the plan's order
+    assert [sum(t["run"] == name for t in turns) for name in names] == [101, 76, 101, 101]  # steps, then the last turn
     assert all(earlier["end"] <= later["start"] for earlier, later in zip(turns, turns[1:]))
+    assert_least_trained_goes_next(turns)
     for name in names:
         assert read_metrics(root / "runs" / "cpu-plateau" / name)[-1]["elapsed_s"] == 900
     again = run_reproduction(root, **env)

@@ -37,7 +37,8 @@
 # drifts within an hour, so every run is checked, not only the first (CHECK_SPEED=0 skips the checks).
 #
 # TAKE_TURNS=1 (for a machine whose speed drifts): a seed's runs start together and take turns a training
-# step at a time (docs/take_turns.py), so a slow minute falls on all of them alike; the speed checks are
+# step at a time, the run with the fewest seconds trained next (docs/take_turns.py), so their training
+# clocks stay within a step and a slow spell falls on the same minutes of every run; the speed checks are
 # skipped (the seed's step-cost rows show the machine's speed), each run logs to $OUT/NAME.log, and
 # Ctrl-C (or kill) makes each save a checkpoint in its turn. A run that took turns keeps its turns.jsonl.
 #

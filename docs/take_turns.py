@@ -1,21 +1,22 @@
-"""Several train.py runs on one machine, taking turns a training step at a time.
+"""Several train.py runs on one machine, taking turns a training step at a time, their clocks together.
 
 A wall-clock comparison is fair only if every method meets the same machine, and a shared machine's
 speed drifts (the CPU this project's reproduction ran on was 1.2-1.7x slower for hours at a time). Runs
-started with the same turn directory compute one at a time: each does one training step in its turn (and
-in its first turn its start-up, in its last its final checkpoint), then hands the turn to the next run, so
-a slow minute of the machine falls on all of them alike. Nothing else about a run changes: it trains on
-the same batches with the same random numbers as alone, and its `elapsed_s` still counts its own steps
+started with the same turn directory compute one at a time, a training step per turn, and the next turn
+goes to the run that has trained the fewest seconds so far. Their training clocks (train.py's
+`elapsed_s`, the x axis of every curve) therefore stay within a step of each other, and a slow spell of
+the machine falls on the same training minutes of every run. Nothing else about a run changes: it trains
+on the same batches with the same random numbers as alone, and its `elapsed_s` still counts its own steps
 only, because train.py times a step from its batch to its metrics row and the wait comes after the row.
+A run's first turn also holds its start-up, and its last its final checkpoint.
 
     python docs/take_turns.py TURN_DIR train.py ARGS... &   # in the project root, once per run
     touch TURN_DIR/start                                     # once all have started: the first turn begins
 
-The runs take their turns in the order they were started.
-
-Each turn is logged (run, step, start and end wall time) to TURN_DIR/turns.jsonl and to the run's own
-turns.jsonl in its --out-dir. A run that dies leaves the rotation when the others notice that its process
-is gone.
+Runs that have not yet stepped go first, in the order they were started; a tie goes to the run that
+follows the last one in that order. Each turn is logged (run, step, its elapsed_s after the step, start
+and end wall time) to TURN_DIR/turns.jsonl and to the run's own turns.jsonl in its --out-dir. A run that
+dies leaves the rotation when the others notice that its process is gone.
 """
 
 from __future__ import annotations
@@ -29,10 +30,12 @@ from contextlib import contextmanager
 from pathlib import Path
 
 POLL_S = 0.01  # how often a waiting run looks at the turn: ~0.1% of a CPU step of a few seconds
+NOT_STEPPED = -1.0  # the training clock of a run that has not finished a step here yet (it goes first)
 
 
 class Turns:
-    """The rotation, kept in TURN_DIR/state.json ({"order": [pids], "turn": pid}) under a file lock."""
+    """The rotation, kept in TURN_DIR/state.json under a file lock: {"order": [pids in the order they
+    joined], "clock": {pid: elapsed_s}, "turn": pid}."""
 
     def __init__(self, turn_dir: Path, out_dir: Path | None):
         self.dir, self.out_dir, self.pid = turn_dir, out_dir, os.getpid()
@@ -45,7 +48,7 @@ class Turns:
         with open(self.dir / "lock", "a") as lock:
             fcntl.flock(lock, fcntl.LOCK_EX)
             path = self.dir / "state.json"
-            before = path.read_text() if path.exists() else json.dumps({"order": [], "turn": None})
+            before = path.read_text() if path.exists() else json.dumps({"order": [], "clock": {}, "turn": None})
             state = json.loads(before)
             yield state
             if json.dumps(state) != before:
@@ -54,6 +57,7 @@ class Turns:
     def join(self) -> None:
         with self.state() as state:
             state["order"].append(self.pid)
+            state["clock"][str(self.pid)] = NOT_STEPPED
             if state["turn"] is None:
                 state["turn"] = self.pid
 
@@ -64,20 +68,21 @@ class Turns:
                 if state["turn"] == self.pid:
                     break
                 if not alive(state["turn"]):
-                    pass_on(state, state["turn"], leave=True)
+                    hand_on(state, state["turn"], leave=True)
             time.sleep(POLL_S)
         self.turn_start = time.time()
 
-    def hand_on(self, step: int | None, leave: bool = False) -> None:
-        """The turn to the next run, after logging this one (`leave`: and this run leaves the rotation)."""
+    def hand_on(self, step: int | None, elapsed_s: float | None = None, leave: bool = False) -> None:
+        """The turn to the run furthest behind, after logging this one (`leave`: this run leaves the rotation)."""
         if self.turn_start is not None:
-            line = json.dumps({"run": self.name, "pid": self.pid, "step": step, "start": self.turn_start, "end": time.time()})
+            line = json.dumps({"run": self.name, "pid": self.pid, "step": step, "elapsed_s": elapsed_s,
+                               "start": self.turn_start, "end": time.time()})
             for log in (self.dir, self.out_dir) if self.out_dir and self.out_dir.is_dir() else (self.dir,):
                 with open(log / "turns.jsonl", "a") as f:
                     f.write(line + "\n")
             self.turn_start = None
         with self.state() as state:
-            pass_on(state, self.pid, leave)
+            hand_on(state, self.pid, elapsed_s, leave)
 
 
 def alive(pid: int | None) -> bool:
@@ -92,19 +97,22 @@ def alive(pid: int | None) -> bool:
     return True
 
 
-def pass_on(state: dict, pid: int, leave: bool) -> None:
-    """The turn goes from `pid` to the run after it in the order (`leave`: and `pid` leaves the order)."""
-    order = state["order"]
+def hand_on(state: dict, pid: int, elapsed_s: float | None = None, leave: bool = False) -> None:
+    """`pid` has trained `elapsed_s` (`leave`: it is done); if it holds the turn, the turn goes to the run
+    with the fewest seconds trained, a tie to the first after `pid` in the order."""
+    order, clock = state["order"], state["clock"]
     if pid not in order:
         return
+    if elapsed_s is not None:
+        clock[str(pid)] = elapsed_s
     i = order.index(pid)
+    following = order[i + 1:] + order[:i + 1]  # `pid` itself last
     if leave:
-        order.pop(i)
-        following = order[i % len(order)] if order else None
-    else:
-        following = order[(i + 1) % len(order)]
+        order.remove(pid)
+        clock.pop(str(pid))
+        following.remove(pid)
     if state["turn"] == pid:
-        state["turn"] = following
+        state["turn"] = min(following, key=lambda p: clock[str(p)]) if following else None
 
 
 def main() -> int:
@@ -126,7 +134,7 @@ def main() -> int:
 
         def write_row_then_hand_on(metrics_file, row: dict) -> None:  # the step's time is taken by now
             write_row(metrics_file, row)
-            turns.hand_on(row["step"])
+            turns.hand_on(row["step"], row["elapsed_s"])
             turns.wait()
 
         train.write_row = write_row_then_hand_on
