@@ -1457,18 +1457,21 @@ def test_take_turns_runs_one_step_at_a_time_and_changes_nothing_but_the_clock(ti
 
 
 def test_plateau_plan_taking_turns_starts_a_seeds_runs_together_and_keeps_their_clocks_together(tmp_path):
-    """TAKE_TURNS=1: a seed's four runs start together under docs/take_turns.py, without speed checks (they
-    share the machine's speed, whatever it is), take turns so that their training clocks stay within a step
-    (train.py stubbed: 9 s a step, PODS n=8 m=4's 12 s, so 100 and 75 steps to the 15-minute budget), and
-    the script returns when all four have finished; run again, it has nothing left to do."""
+    """TAKE_TURNS=1: after one speed check, a seed's four runs start together under docs/take_turns.py,
+    take turns so that their training clocks stay within a step (train.py stubbed: 9 s a step, PODS n=8
+    m=4's 12 s, so 100 and 75 steps to the 15-minute budget), and the script returns when all four have
+    finished; run again, it has nothing left to do."""
     root = project_copy(tmp_path)
     (root / "train.py").write_text(STUB_TRAIN)
+    timed_run(root / "docs" / "cpu-plateau" / "grpo-n8-s0", {"seed": 0}, [9.0] * 120)
     log = tmp_path / "train-calls.txt"
-    env = dict(PLAN="plateau", SEEDS="1", ABLATION_SEEDS="", STAGES="train", TAKE_TURNS="1", STUB_LOG=str(log), STUB_STEP_S="9,12,9")
+    env = dict(PLAN="plateau", SEEDS="1", ABLATION_SEEDS="", STAGES="train", TAKE_TURNS="1", STUB_LOG=str(log), STUB_STEP_S="9,9,12,9")
     done = run_reproduction(root, **env)
     assert done.returncode == 0, done.stdout + done.stderr
+    assert "(1.00x)" in done.stdout
     calls = log.read_text().splitlines()
-    assert len(calls) == 4 and all("--seed 1" in call and "--steps 1000" in call for call in calls)  # no speed check
+    assert len(calls) == 5 and "--steps 6" in calls[0]  # one check, then the group
+    assert all("--seed 1" in call and "--steps 1000" in call for call in calls[1:])
     names = ["grpo-n8-s1", "pods-n8-m4-s1", "grpo-n4-s1", "pods-n16-m4-s1"]
     turns = [json.loads(line) for line in (root / "runs" / "cpu-plateau" / "turns" / "turns.jsonl").read_text().splitlines()]
     assert [t["run"] for t in turns[:4]] == names  # start-ups first, in the plan's order
@@ -1478,7 +1481,7 @@ def test_plateau_plan_taking_turns_starts_a_seeds_runs_together_and_keeps_their_
     for name in names:
         assert read_metrics(root / "runs" / "cpu-plateau" / name)[-1]["elapsed_s"] == 900
     again = run_reproduction(root, **env)
-    assert again.returncode == 0 and len(log.read_text().splitlines()) == 4
+    assert again.returncode == 0 and len(log.read_text().splitlines()) == 5
 
 
 def test_plateau_report_leaves_out_the_seeds_listed_as_run_on_a_slower_machine(tmp_path):

@@ -15,22 +15,22 @@
 #   STAGES=report bash docs/cpu_reproduction.sh    # only redraw figures and tables from docs/cpu/
 #
 # PLAN=plateau: the comparisons run to GRPO's plateau (BUDGET=15 minutes a run, from the probe in
-# docs/cpu-reproduction.md), with SEEDS="0 1 2 3 4 5 6" paired seeds (4 ran on a slower machine and is
-# left out of the tables: 6 replaces it), into runs/cpu-plateau and docs/cpu-plateau/: ~11 hours on 2
-# cores (32 runs of 15 minutes, each after a 1-minute speed check and then ~4.5 minutes of evaluation on
-# an idle machine), meant to run in parts (Ctrl-C, then the same command continues, in a fresh checkout too):
+# docs/cpu-reproduction.md), with SEEDS="0 1 2 3 4 5 6 7" paired seeds (4 and 5 ran on a slower machine
+# and are left out of the tables: 6 and 7 replace them), into runs/cpu-plateau and docs/cpu-plateau/:
+# ~12 hours on 2 cores (36 runs of 15 minutes, each after a 1-minute speed check and then ~4.5 minutes of
+# evaluation on an idle machine), meant to run in parts (Ctrl-C, then the same command continues, in a fresh checkout too):
 #   1. equal rollouts generated (the paper's multi-GPU setting): GRPO n=8 against PODS n=8 m=4
 #   2. equal rollouts updated (its single-GPU setting): GRPO n=4 against PODS n=16 m=4
 #   3. n at m=4 (from 1 and 2): GRPO n=4, PODS n=8 m=4, PODS n=16 m=4     (6 seeds)
 #   4. rules at n=8 m=4: max-variance (from 1), max-reward, random            (ABLATION_SEEDS="0 1")
 #   PLAN=plateau bash docs/cpu_reproduction.sh
 # or a seed at a time, each trained, evaluated and reported before the next (a part-way report at any stop):
-#   for s in 0 1 2 3 4 5 6; do PLAN=plateau SEEDS=$s ABLATION_SEEDS= bash docs/cpu_reproduction.sh; done
+#   for s in 0 1 2 3 4 5 6 7; do PLAN=plateau SEEDS=$s ABLATION_SEEDS= bash docs/cpu_reproduction.sh; done
 #   PLAN=plateau SEEDS= bash docs/cpu_reproduction.sh          # then the ablations
 #
 # Runs whose steps were slower than their setting's other seeds (eval.py's step-cost table marks them
 # "slower machine") did not run on the idle machine the comparison needs: list their seed in
-# docs/cpu-plateau/slower-machine-seeds.txt, run a further seed (SEEDS=6), and the tables leave it out.
+# docs/cpu-plateau/slower-machine-seeds.txt, run a further seed (SEEDS=7), and the tables leave it out.
 #
 # Before each training run the script repeats grpo-n8-s0's first 6 steps (~1 minute) and stops (exit 1)
 # if they take more than 1.25x as long as in its record: the machine is busy or slower, and its speed
@@ -38,8 +38,8 @@
 #
 # TAKE_TURNS=1 (for a machine whose speed drifts): a seed's runs start together and take turns a training
 # step at a time, the run with the fewest seconds trained next (docs/take_turns.py), so their training
-# clocks stay within a step and a slow spell falls on the same minutes of every run; the speed checks are
-# skipped (the seed's step-cost rows show the machine's speed), each run logs to $OUT/NAME.log, and
+# clocks stay within a step and a slow spell falls on the same minutes of every run; the machine is
+# checked once, before the group starts, each run logs to $OUT/NAME.log, and
 # Ctrl-C (or kill) makes each save a checkpoint in its turn. A run that took turns keeps its turns.jsonl.
 #
 # Resumable: a finished run (its budget reached) is not redone, an interrupted one continues from its
@@ -49,7 +49,7 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 PLAN=${PLAN:-first}
 if [ "$PLAN" = plateau ]; then
-  BUDGET=${BUDGET:-15}; OUT=${OUT:-runs/cpu-plateau}; KEEP=docs/cpu-plateau; SEEDS=${SEEDS-"0 1 2 3 4 5 6"}  # 6 for 4 (slower-machine-seeds.txt)
+  BUDGET=${BUDGET:-15}; OUT=${OUT:-runs/cpu-plateau}; KEEP=docs/cpu-plateau; SEEDS=${SEEDS-"0 1 2 3 4 5 6 7"}  # 6, 7 for 4, 5 (slower-machine-seeds.txt)
   ABLATION_SEEDS=${ABLATION_SEEDS-"0 1"}  # ABLATION_SEEDS= (empty): none
 else
   BUDGET=${BUDGET:-3}; OUT=${OUT:-runs/cpu}; KEEP=docs/cpu
@@ -99,7 +99,7 @@ run() {  # a run finished here, or kept in docs from another machine (runs/ is n
     rm -rf "$dir"  # a run that died before its first checkpoint starts over
   fi
   if [ "$TAKE_TURNS" = 1 ]; then  # started now, trained in turn with the seed's other runs (took_turns waits for them)
-    mkdir -p "$OUT"; [ ${#TURN_PIDS[@]} -gt 0 ] || rm -rf "$OUT/turns"  # a new rotation
+    if [ ${#TURN_PIDS[@]} -eq 0 ]; then check_speed; mkdir -p "$OUT"; rm -rf "$OUT/turns"; fi  # a new group
     set -m  # in its own process group: a Ctrl-C reaches the runs once, from stop_turns, not also from the terminal
     python docs/take_turns.py "$OUT/turns" train.py $COMMON "$@" --out-dir "$dir" >> "$dir.log" 2>&1 &
     set +m
