@@ -1403,7 +1403,8 @@ def assert_least_trained_goes_next(turns: list[dict]) -> None:
 LENGTH_REWARD_LAUNCHER = """import runpy, sys
 sys.path.insert(0, sys.argv.pop(1))  # the project
 import rewards
-rewards.reward = lambda completion, answer: float(len(completion) % 3)  # test_pods.length_reward, for a random model
+import test_pods
+rewards.reward = test_pods.length_reward  # a reward a random model earns unevenly
 sys.argv = sys.argv[1:]
 runpy.run_path(sys.argv[0], run_name="__main__")
 """
@@ -1411,8 +1412,9 @@ runpy.run_path(sys.argv[0], run_name="__main__")
 
 def test_take_turns_runs_one_step_at_a_time_and_changes_nothing_but_the_clock(tiny_model_dir, tmp_path):
     """docs/take_turns.py, as docs/cpu_reproduction.sh starts it (one process a run, together): two runs'
-    turns never overlap and alternate (start-up and step 1, steps 2 and 3, final checkpoint), each run's
-    metrics and adapter are those of the same run made alone, and its elapsed_s counts its own turns only."""
+    turns never overlap, start-ups come first in order, every turn goes to the run with the fewest seconds
+    trained, each run's metrics and adapter are those of the same run made alone, and its elapsed_s counts
+    its own turns only."""
     import time
 
     from safetensors.torch import load_file

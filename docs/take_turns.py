@@ -68,7 +68,7 @@ class Turns:
                 if state["turn"] == self.pid:
                     break
                 if not alive(state["turn"]):
-                    hand_on(state, state["turn"], leave=True)
+                    pass_turn(state, state["turn"], leave=True)
             time.sleep(POLL_S)
         self.turn_start = time.time()
 
@@ -82,7 +82,7 @@ class Turns:
                     f.write(line + "\n")
             self.turn_start = None
         with self.state() as state:
-            hand_on(state, self.pid, elapsed_s, leave)
+            pass_turn(state, self.pid, elapsed_s, leave)
 
 
 def alive(pid: int | None) -> bool:
@@ -97,7 +97,7 @@ def alive(pid: int | None) -> bool:
     return True
 
 
-def hand_on(state: dict, pid: int, elapsed_s: float | None = None, leave: bool = False) -> None:
+def pass_turn(state: dict, pid: int, elapsed_s: float | None = None, leave: bool = False) -> None:
     """`pid` has trained `elapsed_s` (`leave`: it is done); if it holds the turn, the turn goes to the run
     with the fewest seconds trained, a tie to the first after `pid` in the order."""
     order, clock = state["order"], state["clock"]
