@@ -41,6 +41,9 @@
 # clocks stay within a step and a slow spell falls on the same minutes of every run; the machine is
 # checked once, before the group starts, each run logs to $OUT/NAME.log, and
 # Ctrl-C (or kill) makes each save a checkpoint in its turn. A run that took turns keeps its turns.jsonl.
+# Not for the kept runs: on 2 cores a run's steps 2-6 took 1.11-1.19x as long in a group taking turns as
+# alone (docs/bench_take_turns.sh, 24 November 2026), updates more than generation, so the group's
+# methods are not timed as seeds 0-3's were; seeds 6 and 7 run one run at a time, like seeds 0-3.
 #
 # Resumable: a finished run (its budget reached) is not redone, an interrupted one continues from its
 # last checkpoint, and evaluated checkpoints are skipped.

@@ -17,6 +17,14 @@ Runs that have not yet stepped go first, in the order they were started; a tie g
 follows the last one in that order. Each turn is logged (run, step, its elapsed_s after the step, start
 and end wall time) to TURN_DIR/turns.jsonl and to the run's own turns.jsonl in its --out-dir. A run that
 dies leaves the rotation when the others notice that its process is gone.
+
+A waiting run sleeps until it is handed the turn (a byte on its FIFO, TURN_DIR/PID.wake), waking otherwise
+once a LIVENESS_S only to see whether the turn's holder is still alive. It must not poll: on 2 cores,
+waiting runs that looked at the turn every 10 ms made the computing run's steps 1.16-1.31x as long as
+alone (grpo-n8-s0's steps 2-6 in a group of four, 24 November 2026; docs/bench_take_turns.sh).
+Sleeping, they still read 1.11-1.19x in two pairs (updates more than generation), so taking turns keeps
+a group's clocks together but is not free on 2 cores: measure it (docs/bench_take_turns.sh) before
+timing methods this way.
 """
 
 from __future__ import annotations
@@ -24,12 +32,14 @@ from __future__ import annotations
 import fcntl
 import json
 import os
+import select
 import sys
 import time
 from contextlib import contextmanager
 from pathlib import Path
 
-POLL_S = 0.01  # how often a waiting run looks at the turn: ~0.1% of a CPU step of a few seconds
+POLL_S = 0.2  # how often a run that has joined looks for TURN_DIR/start (before anyone computes)
+LIVENESS_S = 1.0  # how often a waiting run wakes unasked, to drop a turn holder whose process is gone
 NOT_STEPPED = -1.0  # the training clock of a run that has not finished a step here yet (it goes first)
 
 
@@ -42,6 +52,7 @@ class Turns:
         self.name = out_dir.name if out_dir else str(self.pid)
         self.dir.mkdir(parents=True, exist_ok=True)
         self.turn_start = None
+        self.wake_fd = None
 
     @contextmanager
     def state(self):
@@ -55,6 +66,10 @@ class Turns:
                 path.write_text(json.dumps(state))
 
     def join(self) -> None:
+        fifo = self.dir / f"{self.pid}.wake"
+        fifo.unlink(missing_ok=True)  # left by an earlier process with this pid
+        os.mkfifo(fifo)
+        self.wake_fd = os.open(fifo, os.O_RDWR | os.O_NONBLOCK)  # read-write: never at end-of-file, so select sleeps
         with self.state() as state:
             state["order"].append(self.pid)
             state["clock"][str(self.pid)] = NOT_STEPPED
@@ -69,7 +84,9 @@ class Turns:
                     break
                 if not alive(state["turn"]):
                     pass_turn(state, state["turn"], leave=True)
-            time.sleep(POLL_S)
+                    wake(self.dir, state["turn"])
+            if select.select([self.wake_fd], [], [], LIVENESS_S)[0]:  # handed the turn, or LIVENESS_S passed
+                os.read(self.wake_fd, 4096)
         self.turn_start = time.time()
 
     def hand_on(self, step: int | None, elapsed_s: float | None = None, leave: bool = False) -> None:
@@ -83,6 +100,27 @@ class Turns:
             self.turn_start = None
         with self.state() as state:
             pass_turn(state, self.pid, elapsed_s, leave)
+            wake(self.dir, state["turn"])
+        if leave and self.wake_fd is not None:
+            os.close(self.wake_fd)
+            (self.dir / f"{self.pid}.wake").unlink(missing_ok=True)
+            self.wake_fd = None
+
+
+def wake(turn_dir: Path, pid: int | None) -> None:
+    """A byte on `pid`'s FIFO: it holds the turn now (nothing if it has gone, or already has one waiting)."""
+    if pid is None:
+        return
+    try:
+        fd = os.open(turn_dir / f"{pid}.wake", os.O_WRONLY | os.O_NONBLOCK)
+    except OSError:  # no FIFO (it left) or no reader (it died)
+        return
+    try:
+        os.write(fd, b"t")
+    except BlockingIOError:  # the FIFO is full of earlier wake-ups: it will wake anyway
+        pass
+    finally:
+        os.close(fd)
 
 
 def alive(pid: int | None) -> bool:
