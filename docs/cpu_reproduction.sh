@@ -32,9 +32,10 @@
 # "slower machine") did not run on the idle machine the comparison needs: list their seed in
 # docs/cpu-plateau/slower-machine-seeds.txt, run a further seed (SEEDS=9), and the tables leave it out.
 #
-# Before each training run the script repeats grpo-n8-s0's first 6 steps (~1 minute) and stops (exit 1)
-# if they take more than 1.25x as long as in its record: the machine is busy or slower, and its speed
-# drifts within an hour, so every run is checked, not only the first (CHECK_SPEED=0 skips the checks).
+# Before each training run the script repeats the first 6 steps of seed 0 of the run's setting (the same
+# n and m; ~1 minute) and stops (exit 1) if they take more than 1.25x as long as in its record: the
+# machine is busy or slower, its speed drifts within an hour, and a slower machine does not slow every
+# setting alike (PODS n=8 m=4 most), so every run is checked with its own work (CHECK_SPEED=0 skips it).
 #
 # TAKE_TURNS=1 (for a machine whose speed drifts): a seed's runs start together and take turns a training
 # step at a time, the run with the fewest seconds trained next (docs/take_turns.py), so their training
@@ -72,20 +73,27 @@ sys.exit(0 if rows and rows[-1]["elapsed_s"] >= float(sys.argv[2]) * 60 else 1)
 EOF
 }
 
-check_speed() {  # PLAN=plateau, before each training run: is this the kept runs' machine?
-  if [ "$PLAN" != plateau ] || [ "${CHECK_SPEED:-1}" = 0 ] || [ ! -f "$KEEP/grpo-n8-s0/metrics.jsonl" ]; then
+check_speed() {  # PLAN=plateau, before training run $1: is this the kept runs' machine, for its setting?
+  local ref args  # the seed-0 run of the plan doing the same work a step (a rules ablation's: max-variance's)
+  case $1 in
+    grpo-n8-*) ref=grpo-n8-s0 args="--rule none --n 8";;
+    grpo-n4-*) ref=grpo-n4-s0 args="--rule none --n 4";;
+    pods-n16-m4-*) ref=pods-n16-m4-s0 args="--rule max_variance --n 16 --m 4";;
+    *) ref=pods-n8-m4-s0 args="--rule max_variance --n 8 --m 4";;
+  esac
+  if [ "$PLAN" != plateau ] || [ "${CHECK_SPEED:-1}" = 0 ] || [ ! -f "$KEEP/$ref/metrics.jsonl" ]; then
     return
   fi
-  # The first 6 steps of grpo-n8-s0 again (the same seed and settings, so the same work), against its record.
+  # Its first 6 steps again (the same seed and settings, so the same work), against its record.
   rm -rf "$OUT/speed-check"
-  python train.py $COMMON --seed 0 --rule none --n 8 --steps 6 --save-every-minutes 0 --out-dir "$OUT/speed-check" > /dev/null 2>&1 \
-    || { echo "speed check: train.py failed; see: python train.py $COMMON --seed 0 --rule none --n 8 --steps 6 --out-dir $OUT/speed-check"; exit 1; }
-  python - "$OUT/speed-check" "$KEEP/grpo-n8-s0" <<'EOF'
+  python train.py $COMMON --seed 0 $args --steps 6 --save-every-minutes 0 --out-dir "$OUT/speed-check" > /dev/null 2>&1 \
+    || { echo "speed check: train.py failed; see: python train.py $COMMON --seed 0 $args --steps 6 --out-dir $OUT/speed-check"; exit 1; }
+  python - "$OUT/speed-check" "$KEEP/$ref" <<'EOF'
 import sys
 from pathlib import Path
 import eval
 now, kept = (eval.early_step_seconds(eval.read_metrics(Path(run))) for run in sys.argv[1:])
-print(f"speed check: grpo-n8-s0's steps 2-6 take {now:.1f} s a step here, {kept:.1f} s in its record ({now / kept:.2f}x)")
+print(f"speed check: {Path(sys.argv[2]).name}'s steps 2-6 take {now:.1f} s a step here, {kept:.1f} s in its record ({now / kept:.2f}x)")
 if now / kept > eval.SLOW_MACHINE:
     print("this machine is slower than the one the kept runs were timed on, so its minutes would not be theirs: "
           "run again when it is idle, or CHECK_SPEED=0 to train anyway (then read the step-cost tables' x median)")
@@ -102,7 +110,7 @@ run() {  # a run finished here, or kept in docs from another machine (runs/ is n
     rm -rf "$dir"  # a run that died before its first checkpoint starts over
   fi
   if [ "$TAKE_TURNS" = 1 ]; then  # started now, trained in turn with the seed's other runs (took_turns waits for them)
-    if [ ${#TURN_PIDS[@]} -eq 0 ]; then check_speed; mkdir -p "$OUT"; rm -rf "$OUT/turns"; fi  # a new group
+    if [ ${#TURN_PIDS[@]} -eq 0 ]; then check_speed "$(basename "$dir")"; mkdir -p "$OUT"; rm -rf "$OUT/turns"; fi  # a new group
     set -m  # in its own process group: a Ctrl-C reaches the runs once, from stop_turns, not also from the terminal
     python docs/take_turns.py "$OUT/turns" train.py $COMMON "$@" --out-dir "$dir" >> "$dir.log" 2>&1 &
     set +m
@@ -110,7 +118,7 @@ run() {  # a run finished here, or kept in docs from another machine (runs/ is n
     echo "started $(basename "$dir") (taking turns; its log: $dir.log)"
     sleep 1  # the runs join the rotation in the plan's order
   else
-    check_speed
+    check_speed "$(basename "$dir")"
     python train.py $COMMON "$@" --out-dir "$dir"
   fi
 }
