@@ -1416,13 +1416,13 @@ turns.hand_on(1, 1.0, leave=True)
 """
 
 
-def test_take_turns_a_waiting_run_sleeps_until_handed_the_turn(tmp_path):
+def test_take_turns_a_waiting_run_sleeps_until_handed_the_turn(tmp_path, monkeypatch):
     """A run waiting for its turn does not poll (on 2 cores, polling every 10 ms slowed the computing run's
     steps 1.16-1.31x): over 2 s of waiting it is scheduled a handful of times, not ~200, and the hand-off
     alone wakes it (it would otherwise sleep LIVENESS_S, here 10 minutes)."""
     import time
 
-    sys.path.insert(0, str(Path(__file__).parent / "docs"))
+    monkeypatch.syspath_prepend(str(Path(__file__).parent / "docs"))
     import take_turns
 
     turn_dir = tmp_path / "turns"
@@ -1441,11 +1441,14 @@ def test_take_turns_a_waiting_run_sleeps_until_handed_the_turn(tmp_path):
         status = Path(f"/proc/{waiter.pid}/status").read_text()
         return int(status.split("voluntary_ctxt_switches:")[1].split()[0])
 
-    before = switches()
-    time.sleep(2.0)
-    assert switches() - before < 10
-    holder.hand_on(1, 5.0)  # the waiter has trained less (nothing yet): its turn
-    assert waiter.wait(timeout=30) == 0, waiter.stderr.read()
+    try:
+        before = switches()
+        time.sleep(2.0)
+        assert switches() - before < 10
+        holder.hand_on(1, 5.0)  # the waiter has trained less (nothing yet): its turn
+        assert waiter.wait(timeout=30) == 0, waiter.stderr.read()
+    finally:  # a failed assertion must not leave it waiting for 10 minutes
+        waiter.kill()
     assert json.loads(state.read_text())["turn"] == holder.pid  # it took its turn, left, and handed it back
     holder.hand_on(None, leave=True)
     assert list(turn_dir.glob("*.wake")) == []
