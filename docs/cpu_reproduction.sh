@@ -176,6 +176,11 @@ trained=$(date +%s)
 
 evaluate() {  # a run still training (run in parts) waits for a later invocation
   if [ ! -d "$OUT/$1" ] && [ -f "$KEEP/$1/eval-arith-2.json" ]; then return; fi  # evaluated on another machine
+  if [ ! -d "$OUT/$1" ] && finished "$KEEP/$1"; then  # trained on another machine, its checkpoints lost: made again
+    rm -rf "$OUT/$1.replay"  # (docs/replay_run.py: the same steps, each checked against the record)
+    python docs/replay_run.py "$KEEP/$1" "$OUT/$1.replay"
+    mv "$OUT/$1.replay" "$OUT/$1"
+  fi
   if ! finished "$OUT/$1"; then echo "not evaluated yet: $1 has not finished training"; return; fi
   python eval.py "$OUT/$1" $EVAL
   mkdir -p "$KEEP/$1"
