@@ -22,6 +22,7 @@ Run `python sampling.py` to sample a few answers from the embedded model.
 
 from __future__ import annotations
 
+import functools
 import importlib.util
 import logging
 import os
@@ -202,7 +203,7 @@ class HFSampler:
         with torch.autocast(device.type, dtype=torch.bfloat16, enabled=self.autocast_bf16):
             out = self.model(input_ids=ids, attention_mask=mask, position_ids=(mask.cumsum(1) - 1).clamp(min=0),
                              use_cache=True, logits_to_keep=last_positions(1, width, device))  # prefill: the cache of every prompt token
-            cache, logits = out.past_key_values, out.logits[:, -1].repeat_interleave(n // copies, dim=0)
+            cache, logits = getattr(out, kv_cache_name()), out.logits[:, -1].repeat_interleave(n // copies, dim=0)
             cache.batch_repeat_interleave(n // copies)  # each prompt's cache copied to its n rows
             mask, position = mask.repeat_interleave(n // copies, dim=0), mask.sum(1).repeat_interleave(n // copies)
             tokens, logprobs = [], []
@@ -217,7 +218,7 @@ class HFSampler:
                     break
                 mask = torch.cat([mask, mask.new_ones(len(mask), 1)], dim=1)
                 logits = self.model(input_ids=token[:, None], attention_mask=mask, position_ids=(position + step)[:, None],
-                                    past_key_values=cache, use_cache=True).logits[:, -1]
+                                    **{kv_cache_name(): cache}, use_cache=True).logits[:, -1]
         result = []
         rows, row_logprobs = torch.stack(tokens, 1).tolist(), torch.stack(logprobs, 1).tolist()
         for prompt, row, row_logprob in zip([p for p in prompts for _ in range(n)], rows, row_logprobs):
@@ -225,6 +226,15 @@ class HFSampler:
             text = self.tokenizer.decode(completion, skip_special_tokens=True)
             result.append(Rollout(prompt, completion, text, truncated, row_logprob[: len(completion)]))
         return result
+
+
+@functools.cache
+def kv_cache_name() -> str:
+    """The name of a forward's key-value cache, argument and output: `cache` from transformers 5.24,
+    `past_key_values` before (5.24 still takes the old name, with a FutureWarning, until 5.40)."""
+    from transformers.modeling_outputs import CausalLMOutputWithPast
+
+    return "cache" if "cache" in CausalLMOutputWithPast.__dataclass_fields__ else "past_key_values"
 
 
 def last_positions(count: int, length: int, device) -> torch.Tensor:

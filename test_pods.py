@@ -1314,12 +1314,12 @@ def test_plot_prints_speedup_intervals_and_paired_differences_for_runs_with_the_
 
 
 def project_copy(root: Path) -> Path:
-    """The project's Python files, docs/cpu_reproduction.sh and docs/take_turns.py in `root`, for running the script there."""
+    """The project's Python files and docs/cpu_reproduction.sh, take_turns.py and replay_run.py in `root`, for running the script there."""
     here = Path(__file__).parent
     (root / "docs" / "cpu-plateau").mkdir(parents=True)
     for py in here.glob("*.py"):
         (root / py.name).write_text(py.read_text())
-    for script in ("cpu_reproduction.sh", "take_turns.py"):
+    for script in ("cpu_reproduction.sh", "take_turns.py", "replay_run.py"):
         (root / "docs" / script).write_text((here / "docs" / script).read_text())
     return root
 
@@ -1343,7 +1343,8 @@ def main(args):  # metrics rows for --steps steps or the time budget, without tr
     step_s = float(times[min(calls, len(times) - 1)])
     with open(os.path.join(out, "metrics.jsonl"), "w") as f:
         for k in range(1, steps + 1):
-            write_row(f, {"step": k, "elapsed_s": k * step_s, "generation_s": step_s / 2, "update_s": step_s / 2})
+            row = {"step": k, "elapsed_s": k * step_s, "generation_s": step_s / 2, "update_s": step_s / 2}
+            write_row(f, row | json.loads(os.environ.get("STUB_ROW", "{}")))  # STUB_ROW: what this machine computes
             if k * step_s >= budget_s:
                 break
     return 0
@@ -1391,6 +1392,98 @@ def test_plateau_plan_skips_runs_kept_from_another_machine_and_stops_on_a_slower
     assert "speed check: pods-n8-m4-s0's steps 2-6 take 12.0 s a step here, 8.0 s in its record (1.50x)" in drift.stdout
     calls = log.read_text().splitlines()
     assert len(calls) == 3 and "grpo-n8-s2" in calls[1] and "--steps 6" in calls[2]  # stopped before pods-n8-m4-s2
+
+
+def test_plateau_plan_stops_on_a_machine_that_computes_differently_and_can_take_another_seed_as_reference(tmp_path):
+    """The speed check's six steps must also give the record's numbers: a machine at speed whose steps
+    come out otherwise (train.py stubbed: STUB_ROW adds a reward the record does not have) is another
+    machine, and the script stops before training; REF_SEED=1 checks against seed 1's records instead."""
+    root = project_copy(tmp_path)
+    (root / "train.py").write_text(STUB_TRAIN)
+    for name in ("grpo-n8-s0", "pods-n8-m4-s0", "grpo-n4-s0", "pods-n16-m4-s0"):
+        timed_run(root / "docs" / "cpu-plateau" / name, {"seed": 0}, [8.0] * 120)
+    log = tmp_path / "train-calls.txt"
+    other = run_reproduction(root, PLAN="plateau", SEEDS="2", ABLATION_SEEDS="", STAGES="train", STUB_LOG=str(log),
+                             STUB_STEP_S="8", STUB_ROW='{"reward_mean": 0.25}')
+    assert other.returncode == 1
+    assert ("speed check: this machine computes differently from the one grpo-n8-s0 trained on "
+            "(step 1: reward_mean: 0.25 here, None recorded)") in other.stdout
+    assert len(log.read_text().splitlines()) == 1  # the check only
+
+    log.unlink()
+    for name in ("grpo-n8-s1", "pods-n8-m4-s1", "grpo-n4-s1", "pods-n16-m4-s1"):  # seed 1, trained on this machine
+        run = timed_run(root / "docs" / "cpu-plateau" / name, {"seed": 1}, [8.0] * 120)
+        (run / "metrics.jsonl").write_text("".join(json.dumps(json.loads(line) | {"reward_mean": 0.25}) + "\n"
+                                                   for line in (run / "metrics.jsonl").read_text().splitlines()))
+    own = run_reproduction(root, PLAN="plateau", SEEDS="2", ABLATION_SEEDS="", STAGES="train", STUB_LOG=str(log),
+                           STUB_STEP_S="8", STUB_ROW='{"reward_mean": 0.25}', REF_SEED="1")
+    assert own.returncode == 0, own.stdout + own.stderr
+    assert "speed check: grpo-n8-s1's steps 2-6 take 8.0 s a step here, 8.0 s in its record (1.00x)" in own.stdout
+    calls = log.read_text().splitlines()
+    assert len(calls) == 8 and all("--seed 1" in check for check in calls[::2]) and all("--seed 2" in run for run in calls[1::2])
+
+
+def test_replay_rebuilds_a_recorded_runs_checkpoints_bit_for_bit(tiny_model_dir, tmp_path, monkeypatch):
+    """docs/replay_run.py on a run whose checkpoints are gone: training its recorded settings again
+    gives the recorded metrics row for row and the same adapters at the recorded checkpoints, whose
+    trainer_state carries the record's clock; a record it cannot match stops it at that step."""
+    from safetensors.torch import load_file
+
+    monkeypatch.syspath_prepend(str(Path(__file__).parent / "docs"))
+    import replay_run
+
+    monkeypatch.setattr(train.rewards, "reward", length_reward)
+    trained = tmp_path / "trained"
+    assert train.main(tiny_args(tiny_model_dir, trained, "--steps", "5", "--save-every-steps", "2")) == 0
+    kept = tmp_path / "kept"  # what git keeps of a run: its config and metrics
+    kept.mkdir()
+    for name in ("config.json", "metrics.jsonl"):
+        (kept / name).write_bytes((trained / name).read_bytes())
+    rows = read_metrics(kept)
+
+    out = replay_run.replay(kept, tmp_path / "replayed")
+    assert [p.name for p in checkpoint.find(out)] == [p.name for p in checkpoint.find(trained)] == ["checkpoint-2", "checkpoint-4", "checkpoint-5"]
+    for original, again in zip(checkpoint.find(trained), checkpoint.find(out)):
+        a, b = load_file(original / "adapter_model.safetensors"), load_file(again / "adapter_model.safetensors")
+        assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+        state = json.loads((again / "trainer_state.json").read_text())
+        recorded = json.loads((original / "trainer_state.json").read_text())
+        assert state["step"] == recorded["step"] and state["data_position"] == recorded["data_position"]
+        assert state["elapsed_s"] == rows[state["step"] - 1]["elapsed_s"]  # the record's clock, not the replay's
+    assert (out / "metrics.jsonl").read_bytes() == (kept / "metrics.jsonl").read_bytes()
+    assert (out / "config.json").read_bytes() == (kept / "config.json").read_bytes()
+
+    rows[2]["reward_mean"] += 0.5  # a record this machine does not reproduce from step 3 on
+    (kept / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    with pytest.raises(replay_run.ReplayError, match=r"step 3 differs .* \(reward_mean: "):
+        replay_run.replay(kept, tmp_path / "mismatch")
+    assert [p.name for p in checkpoint.find(tmp_path / "mismatch")] == ["checkpoint-2"]  # nothing after the difference
+    with pytest.raises(replay_run.ReplayError, match="is not empty"):
+        replay_run.replay(kept, out)
+    assert replay_run.main([str(tmp_path / "nothing"), str(tmp_path / "x")]) == 1
+
+
+def test_replay_puts_checkpoints_where_train_py_saved_them_in_the_kept_records():
+    """replay_run.checkpoint_steps on the records in docs/cpu-plateau: train.py's one-a-minute rule gives
+    exactly the checkpoints that were evaluated, but for the two runs stopped and resumed (the stop
+    saved a checkpoint the metrics do not show)."""
+    sys.path.insert(0, str(Path(__file__).parent / "docs"))
+    try:
+        import replay_run
+    finally:
+        sys.path.pop(0)
+    resumed = {"grpo-n4-s0", "pods-n8-m4-s2"}
+    kept = sorted((Path(__file__).parent / "docs" / "cpu-plateau").glob("*/eval-arith-2.json"))
+    assert len(kept) >= 30
+    for evaluation_file in kept:
+        run = evaluation_file.parent
+        config, rows = json.loads((run / "config.json").read_text()), read_metrics(run)
+        steps = replay_run.checkpoint_steps(rows, config["save_every_minutes"], config["save_every_steps"])
+        evaluated = {r["step"]: r["elapsed_s"] for r in json.loads(evaluation_file.read_text())["results"] if r["checkpoint"] != "base"}
+        if run.name in resumed:
+            assert set(steps) != set(evaluated), run.name
+        else:
+            assert steps == pytest.approx(evaluated, abs=1e-3), run.name
 
 
 def assert_least_trained_goes_next(turns: list[dict]) -> None:
@@ -1464,6 +1557,22 @@ runpy.run_path(sys.argv[0], run_name="__main__")
 """
 
 
+def wait_until_joined(turn_dir: Path, runs: int, timeout_s: float = 120.0) -> None:
+    """Until `runs` processes have joined docs/take_turns.py's rotation in turn_dir (a fixed sleep was
+    too short on a loaded machine)."""
+    import time
+
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        try:
+            if len(json.loads((turn_dir / "state.json").read_text())["order"]) >= runs:
+                return
+        except (OSError, ValueError):  # not written yet, or caught mid-write
+            pass
+        time.sleep(0.05)
+    raise AssertionError(f"{runs} run(s) did not join {turn_dir} within {timeout_s} s")
+
+
 def test_take_turns_runs_one_step_at_a_time_and_changes_nothing_but_the_clock(tiny_model_dir, tmp_path):
     """docs/take_turns.py, as docs/cpu_reproduction.sh starts it (one process a run, together): two runs'
     turns never overlap, start-ups come first in order, every turn goes to the run with the fewest seconds
@@ -1487,9 +1596,9 @@ def test_take_turns_runs_one_step_at_a_time_and_changes_nothing_but_the_clock(ti
     assert alone.wait(timeout=300) == 0, alone.stderr.read()
     wrapper = (str(here / "docs" / "take_turns.py"), str(turn_dir))
     first = start("a", 0, *wrapper)
-    time.sleep(1.0)  # a joins the rotation before b
+    wait_until_joined(turn_dir, 1)  # a joins the rotation before b
     second = start("b", 1, *wrapper)
-    time.sleep(1.0)
+    wait_until_joined(turn_dir, 2)
     (turn_dir / "start").touch()
     for process in (first, second):
         assert process.wait(timeout=300) == 0, process.stderr.read()

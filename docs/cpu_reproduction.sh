@@ -32,10 +32,13 @@
 # "slower machine") did not run on the idle machine the comparison needs: list their seed in
 # docs/cpu-plateau/slower-machine-seeds.txt, run a further seed (SEEDS=9), and the tables leave it out.
 #
-# Before each training run the script repeats the first 6 steps of seed 0 of the run's setting (the same
+# Before each training run the script repeats the first 6 steps of seed REF_SEED (default 0) of the run's setting (the same
 # n and m; ~1 minute) and stops (exit 1) if they take more than 1.25x as long as in its record: the
 # machine is busy or slower, its speed drifts within an hour, and a slower machine does not slow every
 # setting alike (PODS n=8 m=4 most), so every run is checked with its own work (CHECK_SPEED=0 skips it).
+# It also stops if those steps' metrics differ from the record's: the same seed and settings give the same
+# numbers on one machine, and other numbers on another (seeds 0-3's machine is not the one later sessions
+# had; docs/cpu-reproduction.md). REF_SEED=S makes seed S's records the reference: a series on another machine.
 #
 # TAKE_TURNS=1 (for a machine whose speed drifts): a seed's runs start together and take turns a training
 # step at a time, the run with the fewest seconds trained next (docs/take_turns.py), so their training
@@ -74,25 +77,34 @@ EOF
 }
 
 check_speed() {  # PLAN=plateau, before training run $1: is this the kept runs' machine, for its setting?
-  local ref args  # the seed-0 run of the plan doing the same work a step (a rules ablation's: max-variance's)
+  local ref args s=${REF_SEED:-0}  # the plan's run of seed REF_SEED doing the same work a step (a rules ablation's: max-variance's)
   case $1 in
-    grpo-n8-*) ref=grpo-n8-s0 args="--rule none --n 8";;
-    grpo-n4-*) ref=grpo-n4-s0 args="--rule none --n 4";;
-    pods-n16-m4-*) ref=pods-n16-m4-s0 args="--rule max_variance --n 16 --m 4";;
-    *) ref=pods-n8-m4-s0 args="--rule max_variance --n 8 --m 4";;
+    grpo-n8-*) ref=grpo-n8-s$s args="--rule none --n 8";;
+    grpo-n4-*) ref=grpo-n4-s$s args="--rule none --n 4";;
+    pods-n16-m4-*) ref=pods-n16-m4-s$s args="--rule max_variance --n 16 --m 4";;
+    *) ref=pods-n8-m4-s$s args="--rule max_variance --n 8 --m 4";;
   esac
   if [ "$PLAN" != plateau ] || [ "${CHECK_SPEED:-1}" = 0 ] || [ ! -f "$KEEP/$ref/metrics.jsonl" ]; then
     return
   fi
   # Its first 6 steps again (the same seed and settings, so the same work), against its record.
   rm -rf "$OUT/speed-check"
-  python train.py $COMMON --seed 0 $args --steps 6 --save-every-minutes 0 --out-dir "$OUT/speed-check" > /dev/null 2>&1 \
-    || { echo "speed check: train.py failed; see: python train.py $COMMON --seed 0 $args --steps 6 --out-dir $OUT/speed-check"; exit 1; }
+  python train.py $COMMON --seed $s $args --steps 6 --save-every-minutes 0 --out-dir "$OUT/speed-check" > /dev/null 2>&1 \
+    || { echo "speed check: train.py failed; see: python train.py $COMMON --seed $s $args --steps 6 --out-dir $OUT/speed-check"; exit 1; }
   python - "$OUT/speed-check" "$KEEP/$ref" <<'EOF'
 import sys
 from pathlib import Path
 import eval
-now, kept = (eval.early_step_seconds(eval.read_metrics(Path(run))) for run in sys.argv[1:])
+sys.path.insert(0, "docs")
+from replay_run import differences
+here, record = (eval.read_metrics(Path(run)) for run in sys.argv[1:])
+wrong = [f"step {a['step']}: {d[0]}" for a, b in zip(here, record) for d in [differences(a, b)] if d]
+if wrong:  # the same seed and settings give other numbers: other hardware, not only another speed
+    print(f"speed check: this machine computes differently from the one {Path(sys.argv[2]).name} trained on ({wrong[0]}), "
+          "so its runs are another machine's: run the plan where its records were made, or start a series of this "
+          "machine's own (REF_SEED=a seed trained here), or CHECK_SPEED=0 to train anyway")
+    sys.exit(1)
+now, kept = (eval.early_step_seconds(rows) for rows in (here, record))
 print(f"speed check: {Path(sys.argv[2]).name}'s steps 2-6 take {now:.1f} s a step here, {kept:.1f} s in its record ({now / kept:.2f}x)")
 if now / kept > eval.SLOW_MACHINE:
     print("this machine is slower than the one the kept runs were timed on, so its minutes would not be theirs: "

@@ -20,7 +20,10 @@ proves it, step by step:
 - when every step has matched, the recorded config.json and metrics.jsonl replace the replay's in
   OUT_DIR, so OUT_DIR is the recorded run with its checkpoints back.
 
-The replay's own speed plays no part: it can run on a slower machine, or beside other work.
+The replay's own speed plays no part (it may run beside other work), but its machine must compute as the
+recorded one did: a machine with other kernels gives other numbers from the first step, and the replay
+stops there. (Seeds 0-3 of docs/cpu-plateau do not replay on the machine seeds 4-8 trained on: that is
+how the two machines were told apart.)
 
     python docs/replay_run.py docs/cpu-plateau/grpo-n8-s8 runs/cpu-plateau/grpo-n8-s8   # in the project root
     python eval.py runs/cpu-plateau/grpo-n8-s8 --dataset arith:2 --limit 256 --repeats 1
