@@ -12,6 +12,7 @@ import logging
 import math
 import random
 import re
+import shutil
 from pathlib import Path
 
 import numpy as np
@@ -1652,7 +1653,7 @@ def test_plateau_plan_taking_turns_starts_a_seeds_runs_together_and_keeps_their_
 def test_plateau_report_leaves_out_the_seeds_listed_as_run_on_a_slower_machine(tmp_path):
     """STAGES=report of docs/cpu_reproduction.sh, as a user redraws it, on constructed records in a
     copy of the project: seed 2 is listed in slower-machine-seeds.txt, so the tables hold seeds 0-1 and
-    the *_all_seeds tables all three, its runs marked."""
+    the *_all_seeds tables all three, its runs marked; seed 3, listed and trained but not evaluated, waits."""
     keep = project_copy(tmp_path) / "docs" / "cpu-plateau"
     for seed, (grpo_speed, pods_speed) in enumerate([(1.0, 1.0), (1.0, 1.0), (2.0, 2.0)]):
         for name, rule, n, m, curve, speed in (("grpo-n8", "none", 8, 8, [0.1, 0.5, 0.7, 0.95], grpo_speed),
@@ -1666,7 +1667,11 @@ def test_plateau_report_leaves_out_the_seeds_listed_as_run_on_a_slower_machine(t
             (run / "metrics.jsonl").write_text("".join(json.dumps({"step": k, "elapsed_s": 5.0 * k * speed, "generation_s": 2.0 * speed,
                                                                    "update_s": 3.0 * speed, "accuracy": 0.5}) + "\n"
                                                        for k in range(1, 40)))
-    (keep / "slower-machine-seeds.txt").write_text("# seed  why\n2       constructed: twice as slow\n")
+    for name in ("grpo-n8-s3", "pods-n8-m4-s3"):  # a listed seed trained but not yet evaluated waits
+        (keep / name).mkdir()
+        shutil.copy(keep / name.replace("s3", "s2") / "config.json", keep / name)
+        shutil.copy(keep / name.replace("s3", "s2") / "metrics.jsonl", keep / name)
+    (keep / "slower-machine-seeds.txt").write_text("# seed  why\n2       constructed: twice as slow\n3       constructed\n")
     done = run_reproduction(tmp_path, PLAN="plateau", STAGES="report")
     assert done.returncode == 0, done.stderr
     idle = (tmp_path / "docs" / "cpu_plateau_equal_rollouts.txt").read_text()

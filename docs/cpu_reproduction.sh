@@ -220,9 +220,10 @@ if [[ " $STAGES " == *" report "* ]]; then
     plot plateau_equal_updates $(idle "$KEEP"/grpo-n4-s* "$KEEP"/pods-n16-m4-s*)
     plot plateau_n_ablation $(idle "$KEEP"/grpo-n4-s* "$KEEP"/pods-n8-m4-s* "$KEEP"/pods-n16-m4-s*)
     plot plateau_rules $(idle "$KEEP"/pods-n8-m4-s[01] "$KEEP"/maxreward-n8-m4-s* "$KEEP"/random-n8-m4-s*) --baseline "PODS max_variance n=8 m=4"
+    evaluated() { local dir; for dir in "$@"; do [ ! -f "$dir/eval-arith-2.json" ] || echo "$dir"; done; }  # (a seed trained, not yet evaluated, waits)
     if [ -n "${SLOW_SEEDS// }" ]; then
-      plot plateau_equal_rollouts_all_seeds "$KEEP"/grpo-n8-s* "$KEEP"/pods-n8-m4-s*
-      plot plateau_equal_updates_all_seeds "$KEEP"/grpo-n4-s* "$KEEP"/pods-n16-m4-s*
+      plot plateau_equal_rollouts_all_seeds $(evaluated "$KEEP"/grpo-n8-s* "$KEEP"/pods-n8-m4-s*)
+      plot plateau_equal_updates_all_seeds $(evaluated "$KEEP"/grpo-n4-s* "$KEEP"/pods-n16-m4-s*)
     fi
   else
   plot equal_rollouts "$KEEP"/grpo-n8-s* "$KEEP"/pods-n8-m4-s* "$KEEP"/pods-n8-m2-s*
