@@ -526,11 +526,12 @@ def differing_keys(a: dict, b: dict, ignore: frozenset[str] | set[str] = frozens
     return sorted(k for k in a.keys() | b.keys() if k not in ignore and a.get(k) != b.get(k))
 
 
-def group_curves(run_dirs: list[Path], dataset: str | None) -> tuple[dict[str, list[tuple[list[float], list[float]]]], dict[str, list[int]]]:
+def group_curves(run_dirs: list[Path], dataset: str | None, clock: ReferenceClock | None = None
+                 ) -> tuple[dict[str, list[tuple[list[float], list[float]]]], dict[str, list[int]]]:
     """Accuracy curves grouped by label (rule, n, m), each group's runs in the order of their seeds,
     and each group's seeds in that order (so the i-th runs of two groups with the same seeds are a
     pair). Runs of one label must differ only in their seed, and every run must have been evaluated
-    with the same settings."""
+    with the same settings. Times are each run's own training seconds, or the reference clock's."""
     groups: dict[str, list[tuple[list[float], list[float]]]] = {}
     seeds: dict[str, list[int]] = {}
     first_config: dict[str, tuple[Path, dict]] = {}
@@ -561,7 +562,8 @@ def group_curves(run_dirs: list[Path], dataset: str | None) -> tuple[dict[str, l
                                 f"not only the seed; plot them separately")
         first_config.setdefault(label, (run, config))
         results = sorted(stored["results"], key=lambda r: r["elapsed_s"])
-        groups.setdefault(label, []).append(([r["elapsed_s"] for r in results], [r["accuracy"] for r in results]))
+        times = [r["elapsed_s"] for r in results] if clock is None else clock.at_steps(run, [r["step"] for r in results])
+        groups.setdefault(label, []).append((times, [r["accuracy"] for r in results]))
         seeds.setdefault(label, []).append(config.get("seed", 0))
     order = {label: sorted(range(len(runs)), key=lambda i: seeds[label][i]) for label, runs in groups.items()}
     return ({label: [runs[i] for i in order[label]] for label, runs in groups.items()},
@@ -664,13 +666,18 @@ def learning_onsets(run_dirs: list[Path], threshold: float = 0.5, window: int = 
     return lines if len(lines) > 1 else []
 
 
+def step_seconds(row: dict) -> float:
+    """A step's generation + update seconds (train.py's elapsed_s sums them)."""
+    return row["generation_s"] + row["update_s"]
+
+
 SLOW_MACHINE = 1.25  # a run whose steps 2-6 took this many times its setting's median ran on a slower machine
 
 
 def early_step_seconds(rows: list[dict]) -> float:
     """The median generation + update seconds of steps 2-6 (metrics.jsonl rows): the machine's speed,
     as before any run has learned every run of a setting writes ~max-new-tokens (step 1 warms up)."""
-    return float(np.median([r["generation_s"] + r["update_s"] for r in rows[1:6] or rows]))
+    return float(np.median([step_seconds(r) for r in rows[1:6] or rows]))
 
 
 def step_costs(run_dirs: list[Path]) -> list[str]:
@@ -699,6 +706,71 @@ def step_costs(run_dirs: list[Path]) -> list[str]:
         lines.append(f"{name:<28}{steps:>7}{generation:>14.1f}{update:>10.1f}{step:>8.1f}{early:>13.1f}{ratio:>10.2f}"
                      + ("  slower machine" if ratio > SLOW_MACHINE else ""))
     return lines
+
+
+class ReferenceClock:
+    """Training time as the reference runs' machine would have taken it, to compare runs trained on
+    machines of different speeds (a wall-clock comparison needs one idle machine; a shared one drifts).
+
+    Per setting (label_of), a step's seconds are a least-squares line in what makes steps of one
+    setting differ, its mean completion length and its share of completions cut at max-new-tokens
+    (features), fit on the reference runs' metrics.jsonl from their second step on; the first step,
+    which warms up, counts their mean first step. elapsed() sums them over a run's own rows."""
+
+    def __init__(self, run_dirs: list[Path]):
+        rows_by_label: dict[str, list[list[dict]]] = {}
+        for run in run_dirs:
+            rows = read_metrics(run)
+            if not (run / "config.json").exists() or not rows:
+                raise EvalError(f"reference run {run} has no config.json or no metrics.jsonl: pass trained runs")
+            rows_by_label.setdefault(label_of(json.loads((run / "config.json").read_text())), []).append(rows)
+        self.first: dict[str, float] = {}
+        self.line: dict[str, np.ndarray] = {}
+        self.fit: dict[str, tuple[int, float]] = {}
+        for label, runs in rows_by_label.items():
+            later = [row for rows in runs for row in rows[1:]]
+            if len(later) < 10:
+                raise EvalError(f"the reference runs of {label} have {len(later)} steps after their first; a clock needs more")
+            x, y = np.array([self.features(r) for r in later]), np.array([step_seconds(r) for r in later])
+            self.line[label] = np.linalg.lstsq(x, y, rcond=None)[0]
+            self.first[label] = float(np.mean([step_seconds(rows[0]) for rows in runs]))
+            residual, spread = y - x @ self.line[label], float(((y - y.mean()) ** 2).sum())
+            self.fit[label] = (len(runs), 1 - float(residual @ residual) / spread if spread > 0 else 1.0)  # R^2
+
+    @staticmethod
+    def features(row: dict) -> list[float]:
+        return [1.0, row["completion_len"], row["truncated_frac"]]
+
+    def elapsed(self, label: str, rows: list[dict]) -> list[float]:
+        """Seconds of training on the reference clock at the end of each of a run's steps (rows from step 1)."""
+        if label not in self.line:
+            raise EvalError(f"no reference runs of {label} (the reference runs are {', '.join(self.line)}): pass some to --reference-runs")
+        seconds = [self.first[label]] + [float(self.line[label] @ self.features(r)) for r in rows[1:]]
+        return np.cumsum(seconds).tolist()
+
+    def at_steps(self, run: Path, steps: list[int]) -> list[float]:
+        """The reference-clock time at each of a run's steps (0: the base model, time 0)."""
+        rows = read_metrics(run)
+        if [r["step"] for r in rows] != list(range(1, len(rows) + 1)):
+            raise EvalError(f"{run}/metrics.jsonl does not hold every step from 1 on, so the reference clock cannot time it")
+        if max(steps, default=0) > len(rows):
+            raise EvalError(f"{run} was evaluated at step {max(steps)}, past its metrics.jsonl's last ({len(rows)})")
+        times = [0.0] + self.elapsed(label_of(json.loads((run / "config.json").read_text())), rows)
+        return [times[k] for k in steps]
+
+    def describe(self, reference: list[Path]) -> list[str]:
+        """How well the clock fits, and how well it reproduces the reference runs' own clocks."""
+        lines = [f"reference clock: each step timed as the reference runs' machine took such a step "
+                 f"({len(reference)} runs; a line in completion length and truncated share, per setting)"]
+        for label, (runs, r2) in self.fit.items():
+            ratios = []
+            for run in reference:
+                rows = read_metrics(run)
+                if label_of(json.loads((run / "config.json").read_text())) == label:
+                    ratios.append(self.elapsed(label, rows)[-1] / rows[-1]["elapsed_s"])
+            lines.append(f"  {label:<34} {runs} runs, step-time R^2 {r2:.2f}; each run's whole time on the clock "
+                         f"over its own: {min(ratios):.3f}-{max(ratios):.3f}")
+        return lines
 
 
 TRAINING_PANELS = (("reward_mean", "reward (all n)"), ("accuracy", "train accuracy (all n)"),
@@ -742,13 +814,15 @@ def plot_training(run_dirs: list[Path], out: Path, smooth: int = 5) -> str:
     return "\n".join(lines)
 
 
-def plot(run_dirs: list[Path], out: Path, dataset: str | None, baseline: str | None, frac: float = TARGET_FRAC) -> str:
+def plot(run_dirs: list[Path], out: Path, dataset: str | None, baseline: str | None, frac: float = TARGET_FRAC,
+         reference: list[Path] | None = None) -> str:
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    groups, seeds_by_label = group_curves(run_dirs, dataset)
+    clock = ReferenceClock(reference) if reference else None
+    groups, seeds_by_label = group_curves(run_dirs, dataset, clock)
     curves = {label: mean_curve(runs) for label, runs in groups.items()}
     if len(curves) < 2:
         raise EvalError(f"nothing to compare: all runs are {next(iter(curves))}; pass runs of at least two settings")
@@ -766,7 +840,7 @@ def plot(run_dirs: list[Path], out: Path, dataset: str | None, baseline: str | N
         ax.fill_between(minutes, mean - se, mean + se, alpha=0.2)
     peak, t_base, others = speedups({k: (v[0], v[1]) for k, v in curves.items()}, baseline, frac)
     ax.axhline(frac * peak, color="gray", linestyle=":", linewidth=1, label=f"target: {frac:g} x {baseline} peak")
-    ax.set_xlabel("training time (minutes)")
+    ax.set_xlabel("training time (minutes)" if clock is None else "training time on the reference clock (minutes)")
     ax.set_ylabel("test accuracy")
     ax.set_title("Test accuracy over training time")
     ax.legend(fontsize=8)
@@ -776,7 +850,10 @@ def plot(run_dirs: list[Path], out: Path, dataset: str | None, baseline: str | N
     fig.savefig(out, dpi=120)
     plt.close(fig)
 
-    lines = [f"baseline {baseline}: peak {peak:.3f}, target {frac:g} x peak = {frac * peak:.3f}, "
+    lines = ([] if clock is None else clock.describe(reference) + [
+                 f"every time below is on the reference clock, up to its shortest run: {common_minutes(groups)} whole minutes "
+                 "(the step-cost and learning-onset tables: each run's own clock)", ""])
+    lines += [f"baseline {baseline}: peak {peak:.3f}, target {frac:g} x peak = {frac * peak:.3f}, "
              f"first reached at {t_base / 60:.1f} min",
              f"{'run':<36}{'time to target':>24}{'speed-up':>10}"]
     for label, t in others.items():
@@ -868,6 +945,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--baseline", default=None, help="--plot: label of the baseline curve [the GRPO run]")
     parser.add_argument("--target-frac", type=float, default=TARGET_FRAC,
                         help="--plot: speed-up target, a share of the baseline's peak accuracy; 1 = the peak itself [0.99, the authors']")
+    parser.add_argument("--reference-runs", nargs="+", metavar="RUN_DIR", default=None,
+                        help="--plot: time every step as these runs' machine took such a step (per setting, fit on "
+                             "their metrics.jsonl), not by each run's own clock: for runs trained on machines of different speeds")
     parser.add_argument("--force", action="store_true", help="re-evaluate checkpoints already in the results file")
     args = parser.parse_args(argv)
     try:
@@ -880,7 +960,8 @@ def main(argv: list[str] | None = None) -> int:
             if not 0 < args.target_frac <= 1:
                 raise EvalError(f"--target-frac {args.target_frac} must be in (0, 1]: a share of the baseline's peak accuracy")
             out = Path(args.out or "accuracy_vs_time.png")
-            summary = plot([Path(p) for p in args.plot], out, args.dataset, args.baseline, args.target_frac)
+            summary = plot([Path(p) for p in args.plot], out, args.dataset, args.baseline, args.target_frac,
+                           [Path(p) for p in args.reference_runs] if args.reference_runs else None)
             print(summary)
             print(f"figure: {out}")
             return 0

@@ -1650,23 +1650,95 @@ def test_plateau_plan_taking_turns_starts_a_seeds_runs_together_and_keeps_their_
     assert again.returncode == 0 and len(log.read_text().splitlines()) == 5
 
 
+def write_constructed_run(run: Path, config: dict, step_rows: list[dict], results: list[tuple[int, float]] | None = None,
+                          speed: float = 1.0) -> None:
+    """A run directory from constructed records: config.json; metrics.jsonl whose steps took
+    `speed` x 1 + 0.1 x completion_len + 2 x truncated_frac seconds (a first step of 10 s, the warm-up);
+    and eval-arith-2.json with (step, accuracy) results timed on the run's own clock."""
+    run.mkdir(parents=True)
+    (run / "config.json").write_text(json.dumps({"model_resolved": "embedded", **config}))
+    elapsed, rows = [0.0], []
+    for k, row in enumerate(step_rows, start=1):
+        seconds = speed * (10.0 if k == 1 else 1 + 0.1 * row["completion_len"] + 2 * row["truncated_frac"])
+        elapsed.append(elapsed[-1] + seconds)
+        rows.append({"step": k, "elapsed_s": elapsed[-1], "generation_s": seconds / 2, "update_s": seconds / 2,
+                     "accuracy": 0.5, **row})
+    (run / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    if results is not None:
+        stored = [{"checkpoint": f"checkpoint-{k}", "step": k, "elapsed_s": elapsed[k], "accuracy": a, "accuracy_se": 0.0,
+                   "accuracies": [a], "format_rate": 0.0} for k, a in results]
+        (run / "eval-arith-2.json").write_text(json.dumps({"settings": {"limit": 256}, "results": stored}))
+
+
+def test_reference_clock_recovers_the_step_cost_line_and_times_a_run_from_a_slower_machine_as_the_reference_would(tmp_path):
+    """Constructed reference runs whose steps took exactly 1 + 0.1 x completion_len + 2 x truncated_frac
+    seconds: the clock recovers the line, and times a run trained on a machine twice as slow, with
+    other completions, at what the reference machine would have taken (its own clock reads double)."""
+    rng = random.Random(0)
+    def steps(count):
+        return [{"completion_len": rng.uniform(5, 32), "truncated_frac": rng.choice([0.0, 0.25, 1.0])} for _ in range(count)]
+    grpo = {"rule": "none", "n": 8, "m": 8}
+    for seed in (0, 1):
+        write_constructed_run(tmp_path / f"ref-{seed}", {**grpo, "seed": seed}, steps(30))
+    slow_rows = steps(20)
+    write_constructed_run(tmp_path / "slow", {**grpo, "seed": 5}, slow_rows, speed=2.0)
+    reference = [tmp_path / "ref-0", tmp_path / "ref-1"]
+    clock = evaluation.ReferenceClock(reference)
+    assert clock.line["GRPO n=8"] == pytest.approx([1.0, 0.1, 2.0])
+    assert clock.first["GRPO n=8"] == pytest.approx(10.0)
+    expected = np.cumsum([10.0] + [1 + 0.1 * r["completion_len"] + 2 * r["truncated_frac"] for r in slow_rows[1:]])
+    assert clock.at_steps(tmp_path / "slow", [0, 1, 20]) == pytest.approx([0.0, 10.0, expected[-1]])
+    assert evaluation.read_metrics(tmp_path / "slow")[-1]["elapsed_s"] == pytest.approx(2 * expected[-1])
+    assert "2 runs, step-time R^2 1.00; each run's whole time on the clock over its own: 1.000-1.000" in clock.describe(reference)[1]
+    pods = tmp_path / "pods"
+    write_constructed_run(pods, {"rule": "max_variance", "n": 8, "m": 4, "seed": 0}, steps(5))
+    with pytest.raises(evaluation.EvalError, match="no reference runs of PODS max_variance n=8 m=4"):
+        clock.at_steps(pods, [5])
+    with pytest.raises(evaluation.EvalError, match="past its metrics.jsonl's last"):
+        clock.at_steps(tmp_path / "slow", [21])
+
+
+def test_plot_on_the_reference_clock_gives_a_slow_machines_seed_the_speed_up_of_the_idle_ones(tmp_path, capsys):
+    """eval.py --plot --reference-runs, as the reproduction calls it: seed 2 ran on a machine twice as
+    slow, so on its own clock it reaches every accuracy twice as late as seeds 0-1 with the same steps.
+    A ratio within one seed survives that (GRPO reaches the target at step 30, PODS at step 10: 97 s over
+    37 s = 2.62x, the first step taking 10 s and the others 3), but the seed-mean curves stop where the
+    fast seeds' runs stop, with seed 2 half-way, so its peak and speed-up are wrong; on the reference
+    clock (fit on seeds 0-1) seed 2's times are theirs and the seed means read 2.62x too."""
+    rows = [{"completion_len": 20.0, "truncated_frac": 0.0}] * 40
+    runs = []
+    for seed, speed in ((0, 1.0), (1, 1.0), (2, 2.0)):
+        for name, config, curve in (("grpo", {"rule": "none", "n": 8, "m": 8}, [(0, 0.1), (10, 0.5), (20, 0.7), (30, 0.95)]),
+                                    ("pods", {"rule": "max_variance", "n": 8, "m": 4}, [(0, 0.1), (10, 0.95), (20, 0.95), (30, 0.95)])):
+            write_constructed_run(tmp_path / f"{name}-s{seed}", {**config, "seed": seed}, rows, curve, speed)
+            runs.append(str(tmp_path / f"{name}-s{seed}"))
+    reference = [r for r in runs if not r.endswith("-s2")]
+    assert evaluation.main(["--plot", *runs, "--dataset", "arith:2", "--out", str(tmp_path / "own.png")]) == 0
+    own = capsys.readouterr().out
+    assert "seeds at 0.99 x peak: 0: 2.62x  1: 2.62x  2: 2.62x" in own
+    assert "baseline GRPO n=8: peak 0.826" in own and "PODS max_variance n=8 m=4                            1.1 min     1.45x" in own
+    assert evaluation.main(["--plot", *runs, "--dataset", "arith:2", "--reference-runs", *reference,
+                            "--out", str(tmp_path / "clock.png")]) == 0
+    clock = capsys.readouterr().out
+    assert "seeds at 0.99 x peak: 0: 2.62x  1: 2.62x  2: 2.62x" in clock
+    assert "baseline GRPO n=8: peak 0.950" in clock and "PODS max_variance n=8 m=4                            0.6 min     2.62x" in clock
+    assert "every time below is on the reference clock" in clock and "R^2 1.00" in clock
+    assert evaluation.main(["--plot", *runs, "--dataset", "arith:2", "--reference-runs", *runs[:1],
+                            "--out", str(tmp_path / "x.png")]) == 2
+    assert "no reference runs of PODS max_variance n=8 m=4" in capsys.readouterr().err
+
+
 def test_plateau_report_leaves_out_the_seeds_listed_as_run_on_a_slower_machine(tmp_path):
     """STAGES=report of docs/cpu_reproduction.sh, as a user redraws it, on constructed records in a
-    copy of the project: seed 2 is listed in slower-machine-seeds.txt, so the tables hold seeds 0-1 and
-    the *_all_seeds tables all three, its runs marked; seed 3, listed and trained but not evaluated, waits."""
+    copy of the project: seed 2 ran twice as slow and is listed in slower-machine-seeds.txt, so the
+    tables hold seeds 0-1, the *_all_seeds tables all three, its runs marked, and the *_reference_clock
+    tables all three timed as seeds 0-1's machine would; seed 3, listed and trained but not evaluated, waits."""
     keep = project_copy(tmp_path) / "docs" / "cpu-plateau"
-    for seed, (grpo_speed, pods_speed) in enumerate([(1.0, 1.0), (1.0, 1.0), (2.0, 2.0)]):
-        for name, rule, n, m, curve, speed in (("grpo-n8", "none", 8, 8, [0.1, 0.5, 0.7, 0.95], grpo_speed),
-                                               ("pods-n8-m4", "max_variance", 8, 4, [0.1, 0.95, 0.95, 0.95], pods_speed)):
-            run = keep / f"{name}-s{seed}"
-            run.mkdir()
-            (run / "config.json").write_text(json.dumps({"model_resolved": "embedded", "rule": rule, "n": n, "m": m, "seed": seed}))
-            results = [{"checkpoint": f"checkpoint-{k}", "step": k, "elapsed_s": 60.0 * k * speed, "accuracy": a,
-                        "accuracy_se": 0.0, "accuracies": [a], "format_rate": 0.0} for k, a in enumerate(curve)]
-            (run / "eval-arith-2.json").write_text(json.dumps({"settings": {"limit": 256}, "results": results}))
-            (run / "metrics.jsonl").write_text("".join(json.dumps({"step": k, "elapsed_s": 5.0 * k * speed, "generation_s": 2.0 * speed,
-                                                                   "update_s": 3.0 * speed, "accuracy": 0.5}) + "\n"
-                                                       for k in range(1, 40)))
+    rows = [{"completion_len": 20.0, "truncated_frac": 0.0}] * 40  # 10 s, then 3 s a step (x 2 at seed 2)
+    for seed, speed in ((0, 1.0), (1, 1.0), (2, 2.0)):
+        for name, config, curve in (("grpo-n8", {"rule": "none", "n": 8, "m": 8}, [0.1, 0.5, 0.7, 0.95]),
+                                    ("pods-n8-m4", {"rule": "max_variance", "n": 8, "m": 4}, [0.1, 0.95, 0.95, 0.95])):
+            write_constructed_run(keep / f"{name}-s{seed}", {**config, "seed": seed}, rows, list(zip((0, 10, 20, 30), curve)), speed)
     for name in ("grpo-n8-s3", "pods-n8-m4-s3"):  # a listed seed trained but not yet evaluated waits
         (keep / name).mkdir()
         shutil.copy(keep / name.replace("s3", "s2") / "config.json", keep / name)
@@ -1674,13 +1746,15 @@ def test_plateau_report_leaves_out_the_seeds_listed_as_run_on_a_slower_machine(t
     (keep / "slower-machine-seeds.txt").write_text("# seed  why\n2       constructed: twice as slow\n3       constructed\n")
     done = run_reproduction(tmp_path, PLAN="plateau", STAGES="report")
     assert done.returncode == 0, done.stderr
-    idle = (tmp_path / "docs" / "cpu_plateau_equal_rollouts.txt").read_text()
-    every = (tmp_path / "docs" / "cpu_plateau_equal_rollouts_all_seeds.txt").read_text()
+    idle, every, clock = ((tmp_path / "docs" / f"cpu_plateau_equal_rollouts{kind}.txt").read_text()
+                          for kind in ("", "_all_seeds", "_reference_clock"))
     assert re.search(r"^GRPO n=8 +2 ", idle, re.M) and "-s2" not in idle
     assert re.search(r"^GRPO n=8 +3 ", every, re.M)
-    assert re.search(r"^grpo-n8-s2 .* 10\.0 +2\.00  slower machine$", every, re.M)  # 10 s against a median of 5
-    # GRPO first reaches 0.99 x its mean curve's peak at 3 min, PODS at 1 min; at 6 and 2 in the slow seed
-    assert "seeds at 0.99 x peak: 0: 3.00x  1: 3.00x  2: 3.00x" in every
+    assert re.search(r"^grpo-n8-s2 .* 6\.0 +2\.00  slower machine$", every, re.M)  # 6 s against a median of 3
+    # GRPO first reaches 0.99 x its mean curve's peak at step 30 (97 s), PODS at step 10 (37 s), both twice as late in seed 2
+    assert "seeds at 0.99 x peak: 0: 2.62x  1: 2.62x  2: 2.62x" in every
+    assert re.search(r"^GRPO n=8 +3 ", clock, re.M) and "(4 runs; " in clock  # the reference: seeds 0-1's four runs
+    assert "baseline GRPO n=8: peak 0.950" in clock and "baseline GRPO n=8: peak 0.950" not in every
 
 
 def test_seed_speedups_count_never_reaching_as_zero_and_a_baseline_that_never_does_as_inf():
