@@ -31,6 +31,9 @@
 # Runs whose steps were slower than their setting's other seeds (eval.py's step-cost table marks them
 # "slower machine") did not run on the idle machine the comparison needs: list their seed in
 # docs/cpu-plateau/slower-machine-seeds.txt, run a further seed (SEEDS=9), and the tables leave it out.
+# The report also draws every evaluated seed on the reference clock (docs/cpu_plateau_*_reference_clock:
+# each step timed as the unlisted seeds' machine took such a step, eval.py --reference-runs), and the
+# unlisted seeds alone on it (*_clock_check) beside their own clocks.
 #
 # Before each training run the script repeats the first 6 steps of seed REF_SEED (default 0) of the run's setting (the same
 # n and m; ~1 minute) and stops (exit 1) if they take more than 1.25x as long as in its record: the
