@@ -562,7 +562,7 @@ def group_curves(run_dirs: list[Path], dataset: str | None, clock: ReferenceCloc
                                 f"not only the seed; plot them separately")
         first_config.setdefault(label, (run, config))
         results = sorted(stored["results"], key=lambda r: r["elapsed_s"])
-        times = [r["elapsed_s"] for r in results] if clock is None else clock.at_steps(run, [r["step"] for r in results])
+        times = [r["elapsed_s"] for r in results] if clock is None else clock.at_steps(run, label, [r["step"] for r in results])
         groups.setdefault(label, []).append((times, [r["accuracy"] for r in results]))
         seeds.setdefault(label, []).append(config.get("seed", 0))
     order = {label: sorted(range(len(runs)), key=lambda i: seeds[label][i]) for label, runs in groups.items()}
@@ -718,12 +718,15 @@ class ReferenceClock:
     which warms up, counts their mean first step. elapsed() sums them over a run's own rows."""
 
     def __init__(self, run_dirs: list[Path]):
-        rows_by_label: dict[str, list[list[dict]]] = {}
+        self.reference: list[tuple[str, list[dict]]] = []  # (label, metrics rows) of each reference run
         for run in run_dirs:
-            rows = read_metrics(run)
-            if not (run / "config.json").exists() or not rows:
+            config, rows = run_config(run), read_metrics(run)
+            if not config or not rows:
                 raise EvalError(f"reference run {run} has no config.json or no metrics.jsonl: pass trained runs")
-            rows_by_label.setdefault(label_of(json.loads((run / "config.json").read_text())), []).append(rows)
+            self.reference.append((label_of(config), rows))
+        rows_by_label: dict[str, list[list[dict]]] = {}
+        for label, rows in self.reference:
+            rows_by_label.setdefault(label, []).append(rows)
         self.first: dict[str, float] = {}
         self.line: dict[str, np.ndarray] = {}
         self.fit: dict[str, tuple[int, float]] = {}
@@ -748,26 +751,22 @@ class ReferenceClock:
         seconds = [self.first[label]] + [float(self.line[label] @ self.features(r)) for r in rows[1:]]
         return np.cumsum(seconds).tolist()
 
-    def at_steps(self, run: Path, steps: list[int]) -> list[float]:
-        """The reference-clock time at each of a run's steps (0: the base model, time 0)."""
+    def at_steps(self, run: Path, label: str, steps: list[int]) -> list[float]:
+        """The reference-clock time at each of a run's (of setting `label`) steps (0: the base model, time 0)."""
         rows = read_metrics(run)
         if [r["step"] for r in rows] != list(range(1, len(rows) + 1)):
             raise EvalError(f"{run}/metrics.jsonl does not hold every step from 1 on, so the reference clock cannot time it")
         if max(steps, default=0) > len(rows):
             raise EvalError(f"{run} was evaluated at step {max(steps)}, past its metrics.jsonl's last ({len(rows)})")
-        times = [0.0] + self.elapsed(label_of(json.loads((run / "config.json").read_text())), rows)
+        times = [0.0] + self.elapsed(label, rows)
         return [times[k] for k in steps]
 
-    def describe(self, reference: list[Path]) -> list[str]:
+    def describe(self) -> list[str]:
         """How well the clock fits, and how well it reproduces the reference runs' own clocks."""
         lines = [f"reference clock: each step timed as the reference runs' machine took such a step "
-                 f"({len(reference)} runs; a line in completion length and truncated share, per setting)"]
+                 f"({len(self.reference)} runs; a line in completion length and truncated share, per setting)"]
         for label, (runs, r2) in self.fit.items():
-            ratios = []
-            for run in reference:
-                rows = read_metrics(run)
-                if label_of(json.loads((run / "config.json").read_text())) == label:
-                    ratios.append(self.elapsed(label, rows)[-1] / rows[-1]["elapsed_s"])
+            ratios = [self.elapsed(label, rows)[-1] / rows[-1]["elapsed_s"] for other, rows in self.reference if other == label]
             lines.append(f"  {label:<34} {runs} runs, step-time R^2 {r2:.2f}; each run's whole time on the clock "
                          f"over its own: {min(ratios):.3f}-{max(ratios):.3f}")
         return lines
@@ -850,7 +849,7 @@ def plot(run_dirs: list[Path], out: Path, dataset: str | None, baseline: str | N
     fig.savefig(out, dpi=120)
     plt.close(fig)
 
-    lines = ([] if clock is None else clock.describe(reference) + [
+    lines = ([] if clock is None else clock.describe() + [
                  f"every time below is on the reference clock, up to its shortest run: {common_minutes(groups)} whole minutes "
                  "(the step-cost and learning-onset tables: each run's own clock)", ""])
     lines += [f"baseline {baseline}: peak {peak:.3f}, target {frac:g} x peak = {frac * peak:.3f}, "
@@ -880,7 +879,7 @@ def plot(run_dirs: list[Path], out: Path, dataset: str | None, baseline: str | N
 # ----------------------------------------------------------------------------- CLI
 
 
-def run_config(path: str) -> dict:
+def run_config(path: str | Path) -> dict:
     """config.json of the run that PATH is (or is a checkpoint of); {} for a base model."""
     for config in (Path(path) / "config.json", Path(path).parent / "config.json"):
         found = json.loads(config.read_text()) if config.exists() else {}

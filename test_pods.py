@@ -1687,15 +1687,15 @@ def test_reference_clock_recovers_the_step_cost_line_and_times_a_run_from_a_slow
     assert clock.line["GRPO n=8"] == pytest.approx([1.0, 0.1, 2.0])
     assert clock.first["GRPO n=8"] == pytest.approx(10.0)
     expected = np.cumsum([10.0] + [1 + 0.1 * r["completion_len"] + 2 * r["truncated_frac"] for r in slow_rows[1:]])
-    assert clock.at_steps(tmp_path / "slow", [0, 1, 20]) == pytest.approx([0.0, 10.0, expected[-1]])
+    assert clock.at_steps(tmp_path / "slow", "GRPO n=8", [0, 1, 20]) == pytest.approx([0.0, 10.0, expected[-1]])
     assert evaluation.read_metrics(tmp_path / "slow")[-1]["elapsed_s"] == pytest.approx(2 * expected[-1])
-    assert "2 runs, step-time R^2 1.00; each run's whole time on the clock over its own: 1.000-1.000" in clock.describe(reference)[1]
+    assert "2 runs, step-time R^2 1.00; each run's whole time on the clock over its own: 1.000-1.000" in clock.describe()[1]
     pods = tmp_path / "pods"
     write_constructed_run(pods, {"rule": "max_variance", "n": 8, "m": 4, "seed": 0}, steps(5))
     with pytest.raises(evaluation.EvalError, match="no reference runs of PODS max_variance n=8 m=4"):
-        clock.at_steps(pods, [5])
+        clock.at_steps(pods, "PODS max_variance n=8 m=4", [5])
     with pytest.raises(evaluation.EvalError, match="past its metrics.jsonl's last"):
-        clock.at_steps(tmp_path / "slow", [21])
+        clock.at_steps(tmp_path / "slow", "GRPO n=8", [21])
 
 
 def test_plot_on_the_reference_clock_gives_a_slow_machines_seed_the_speed_up_of_the_idle_ones(tmp_path, capsys):

@@ -225,16 +225,17 @@ if [[ " $STAGES " == *" report "* ]]; then
     plot plateau_rules $(idle "$KEEP"/pods-n8-m4-s[01] "$KEEP"/maxreward-n8-m4-s* "$KEEP"/random-n8-m4-s*) --baseline "PODS max_variance n=8 m=4"
     evaluated() { local dir; for dir in "$@"; do [ ! -f "$dir/eval-arith-2.json" ] || echo "$dir"; done; }  # (a seed trained, not yet evaluated, waits)
     if [ -n "${SLOW_SEEDS// }" ]; then
-      plot plateau_equal_rollouts_all_seeds $(evaluated "$KEEP"/grpo-n8-s* "$KEEP"/pods-n8-m4-s*)
-      plot plateau_equal_updates_all_seeds $(evaluated "$KEEP"/grpo-n4-s* "$KEEP"/pods-n16-m4-s*)
+      rollouts=("$KEEP"/grpo-n8-s* "$KEEP"/pods-n8-m4-s*) updates=("$KEEP"/grpo-n4-s* "$KEEP"/pods-n16-m4-s*)
+      plot plateau_equal_rollouts_all_seeds $(evaluated "${rollouts[@]}")
+      plot plateau_equal_updates_all_seeds $(evaluated "${updates[@]}")
       # Every evaluated seed on the reference clock (eval.py --reference-runs): each step timed as the
       # unlisted seeds' machine took such a step, so runs from machines of other speeds compare
-      reference=$(idle "$KEEP"/grpo-n8-s* "$KEEP"/pods-n8-m4-s* "$KEEP"/grpo-n4-s* "$KEEP"/pods-n16-m4-s*)
-      plot plateau_equal_rollouts_reference_clock $(evaluated "$KEEP"/grpo-n8-s* "$KEEP"/pods-n8-m4-s*) --reference-runs $reference
-      plot plateau_equal_updates_reference_clock $(evaluated "$KEEP"/grpo-n4-s* "$KEEP"/pods-n16-m4-s*) --reference-runs $reference
+      reference=$(idle "${rollouts[@]}" "${updates[@]}")
+      plot plateau_equal_rollouts_reference_clock $(evaluated "${rollouts[@]}") --reference-runs $reference
+      plot plateau_equal_updates_reference_clock $(evaluated "${updates[@]}") --reference-runs $reference
       # the check: the unlisted seeds alone on the clock, against their own clocks (the tables above)
-      plot plateau_equal_rollouts_clock_check $(idle "$KEEP"/grpo-n8-s* "$KEEP"/pods-n8-m4-s*) --reference-runs $reference
-      plot plateau_equal_updates_clock_check $(idle "$KEEP"/grpo-n4-s* "$KEEP"/pods-n16-m4-s*) --reference-runs $reference
+      plot plateau_equal_rollouts_clock_check $(idle "${rollouts[@]}") --reference-runs $reference
+      plot plateau_equal_updates_clock_check $(idle "${updates[@]}") --reference-runs $reference
     fi
   else
   plot equal_rollouts "$KEEP"/grpo-n8-s* "$KEEP"/pods-n8-m4-s* "$KEEP"/pods-n8-m2-s*
