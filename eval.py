@@ -518,7 +518,10 @@ def label_of(config: dict) -> str:
     return f"PODS {config['rule']} n={config['n']} m={config['m']}"
 
 
-SEED_FIELDS = {"seed", "out_dir", "resume", "torch", "device"}  # what may differ between seeds of one setting
+# What may differ between seeds of one setting: the seed, where and on what it ran, and how long it trained and
+# how often it saved (the curves are read up to the shortest run; on the reference clock, a run trains to a
+# number of steps, docs/cpu_reproduction.sh CLOCK=reference)
+SEED_FIELDS = {"seed", "out_dir", "resume", "torch", "device", "steps", "time_budget", "save_every_steps", "save_every_minutes"}
 
 
 def differing_keys(a: dict, b: dict, ignore: frozenset[str] | set[str] = frozenset()) -> list[str]:
@@ -730,6 +733,7 @@ class ReferenceClock:
         self.first: dict[str, float] = {}
         self.line: dict[str, np.ndarray] = {}
         self.fit: dict[str, tuple[int, float]] = {}
+        self.mean_step: dict[str, float] = {}  # the reference runs' mean step after their first
         for label, runs in rows_by_label.items():
             later = [row for rows in runs for row in rows[1:]]
             if len(later) < 10:
@@ -737,6 +741,7 @@ class ReferenceClock:
             x, y = np.array([self.features(r) for r in later]), np.array([step_seconds(r) for r in later])
             self.line[label] = np.linalg.lstsq(x, y, rcond=None)[0]
             self.first[label] = float(np.mean([step_seconds(rows[0]) for rows in runs]))
+            self.mean_step[label] = float(y.mean())
             residual, spread = y - x @ self.line[label], float(((y - y.mean()) ** 2).sum())
             self.fit[label] = (len(runs), 1 - float(residual @ residual) / spread if spread > 0 else 1.0)  # R^2
 
@@ -760,6 +765,25 @@ class ReferenceClock:
             raise EvalError(f"{run} was evaluated at step {max(steps)}, past its metrics.jsonl's last ({len(rows)})")
         times = [0.0] + self.elapsed(label, rows)
         return [times[k] for k in steps]
+
+    def steps_left(self, label: str, rows: list[dict], seconds: float) -> int:
+        """How many more steps a run of setting `label` with these metrics.jsonl rows (none: not started)
+        should train to reach `seconds` on the clock, 0 when it has. The time left is divided by the clock's
+        cost of the run's last 10 steps (the reference mean after a first step, before it has any) and rounded
+        down, but at least 1: trained in chunks of it (train.py --steps N --resume), a run ends less than one step past
+        `seconds`, in a few chunks."""
+        if label not in self.line:
+            raise EvalError(f"no reference runs of {label} (the reference runs are {', '.join(self.line)}): pass some")
+        if [r["step"] for r in rows] != list(range(1, len(rows) + 1)):
+            raise EvalError("the metrics.jsonl rows do not hold every step from 1 on, so the reference clock cannot time them")
+        if not rows:  # the first step warms up
+            return 1 + max(0, int((seconds - self.first[label]) // self.mean_step[label]))
+        done = self.elapsed(label, rows)[-1]
+        if done >= seconds:
+            return 0
+        recent = rows[1:][-10:]
+        cost = float(np.mean([self.line[label] @ self.features(r) for r in recent])) if recent else self.mean_step[label]
+        return max(1, int((seconds - done) // max(cost, 1e-9)))
 
     def describe(self) -> list[str]:
         """How well the clock fits, and how well it reproduces the reference runs' own clocks."""

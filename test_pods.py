@@ -1690,6 +1690,13 @@ def test_reference_clock_recovers_the_step_cost_line_and_times_a_run_from_a_slow
     assert clock.at_steps(tmp_path / "slow", "GRPO n=8", [0, 1, 20]) == pytest.approx([0.0, 10.0, expected[-1]])
     assert evaluation.read_metrics(tmp_path / "slow")[-1]["elapsed_s"] == pytest.approx(2 * expected[-1])
     assert "2 runs, step-time R^2 1.00; each run's whole time on the clock over its own: 1.000-1.000" in clock.describe()[1]
+    # how far to train a run to a time on the clock (CLOCK=reference): whole steps at its last 10 steps' cost, at least 1
+    rows, mean = evaluation.read_metrics(tmp_path / "slow"), clock.mean_step["GRPO n=8"]
+    recent = np.mean([1 + 0.1 * r["completion_len"] + 2 * r["truncated_frac"] for r in slow_rows[-10:]])
+    assert [clock.steps_left("GRPO n=8", rows, expected[-1] + k * recent) for k in (0, 0.5, 4.5)] == [0, 1, 4]
+    assert clock.steps_left("GRPO n=8", [], 10.0 + 5.5 * mean) == 6  # not started: a first step, then the reference mean
+    with pytest.raises(evaluation.EvalError, match="do not hold every step from 1 on"):
+        clock.steps_left("GRPO n=8", rows[:3] + rows[4:], 1000.0)
     pods = tmp_path / "pods"
     write_constructed_run(pods, {"rule": "max_variance", "n": 8, "m": 4, "seed": 0}, steps(5))
     with pytest.raises(evaluation.EvalError, match="no reference runs of PODS max_variance n=8 m=4"):
@@ -1732,29 +1739,111 @@ def test_plateau_report_leaves_out_the_seeds_listed_as_run_on_a_slower_machine(t
     """STAGES=report of docs/cpu_reproduction.sh, as a user redraws it, on constructed records in a
     copy of the project: seed 2 ran twice as slow and is listed in slower-machine-seeds.txt, so the
     tables hold seeds 0-1, the *_all_seeds tables all three, its runs marked, and the *_reference_clock
-    tables all three timed as seeds 0-1's machine would; seed 3, listed and trained but not evaluated, waits."""
+    tables all three timed as seeds 0-1's machine would; seed 3, listed and trained but not evaluated, waits.
+    Seed 4, listed, trained on the reference clock (CLOCK=reference: no time budget) on a machine 1.5x as
+    slow, joins seeds 0-1 in the *_clock_to_budget tables, which leave out seed 2's wall-clock runs."""
     keep = project_copy(tmp_path) / "docs" / "cpu-plateau"
     rows = [{"completion_len": 20.0, "truncated_frac": 0.0}] * 40  # 10 s, then 3 s a step (x 2 at seed 2)
-    for seed, speed in ((0, 1.0), (1, 1.0), (2, 2.0)):
+    for seed, speed in ((0, 1.0), (1, 1.0), (2, 2.0), (4, 1.5)):
         for name, config, curve in (("grpo-n8", {"rule": "none", "n": 8, "m": 8}, [0.1, 0.5, 0.7, 0.95]),
                                     ("pods-n8-m4", {"rule": "max_variance", "n": 8, "m": 4}, [0.1, 0.95, 0.95, 0.95])):
-            write_constructed_run(keep / f"{name}-s{seed}", {**config, "seed": seed}, rows, list(zip((0, 10, 20, 30), curve)), speed)
+            how_long = {"time_budget": 0.0, "steps": 40} if seed == 4 else {"time_budget": 15.0, "steps": 1000}
+            write_constructed_run(keep / f"{name}-s{seed}", {**config, "seed": seed, **how_long}, rows, list(zip((0, 10, 20, 30), curve)), speed)
     for name in ("grpo-n8-s3", "pods-n8-m4-s3"):  # a listed seed trained but not yet evaluated waits
         (keep / name).mkdir()
         shutil.copy(keep / name.replace("s3", "s2") / "config.json", keep / name)
         shutil.copy(keep / name.replace("s3", "s2") / "metrics.jsonl", keep / name)
-    (keep / "slower-machine-seeds.txt").write_text("# seed  why\n2       constructed: twice as slow\n3       constructed\n")
+    (keep / "slower-machine-seeds.txt").write_text("# seed  why\n2       constructed: twice as slow\n3       constructed\n"
+                                                   "4       constructed: on the reference clock\n")
     done = run_reproduction(tmp_path, PLAN="plateau", STAGES="report")
     assert done.returncode == 0, done.stderr
-    idle, every, clock = ((tmp_path / "docs" / f"cpu_plateau_equal_rollouts{kind}.txt").read_text()
-                          for kind in ("", "_all_seeds", "_reference_clock"))
-    assert re.search(r"^GRPO n=8 +2 ", idle, re.M) and "-s2" not in idle
-    assert re.search(r"^GRPO n=8 +3 ", every, re.M)
-    assert re.search(r"^grpo-n8-s2 .* 6\.0 +2\.00  slower machine$", every, re.M)  # 6 s against a median of 3
+    idle, every, clock, to_budget = ((tmp_path / "docs" / f"cpu_plateau_equal_rollouts{kind}.txt").read_text()
+                                     for kind in ("", "_all_seeds", "_reference_clock", "_clock_to_budget"))
+    assert re.search(r"^GRPO n=8 +2 ", idle, re.M) and "-s2" not in idle and "-s4" not in idle
+    assert re.search(r"^GRPO n=8 +4 ", every, re.M) and re.search(r"^GRPO n=8 +4 ", clock, re.M)
+    assert re.search(r"^GRPO n=8 +3 ", to_budget, re.M) and "grpo-n8-s4" in to_budget and "grpo-n8-s2" not in to_budget
+    assert "seeds at 0.99 x peak: 0: 2.62x  1: 2.62x  4: 2.62x" in to_budget
+    assert re.search(r"^grpo-n8-s2 .* 6\.0 +1\.60  slower machine$", every, re.M)  # 6 s against a median of 3.75 (3, 3, 4.5, 6)
     # GRPO first reaches 0.99 x its mean curve's peak at step 30 (97 s), PODS at step 10 (37 s), both twice as late in seed 2
-    assert "seeds at 0.99 x peak: 0: 2.62x  1: 2.62x  2: 2.62x" in every
-    assert re.search(r"^GRPO n=8 +3 ", clock, re.M) and "(4 runs; " in clock  # the reference: seeds 0-1's four runs
+    assert "seeds at 0.99 x peak: 0: 2.62x  1: 2.62x  2: 2.62x  4: 2.62x" in every
+    assert "(4 runs; " in clock  # the reference: seeds 0-1's four runs
     assert "baseline GRPO n=8: peak 0.950" in clock and "baseline GRPO n=8: peak 0.950" not in every
+
+
+STUB_CLOCK_TRAIN = """import json, os, sys
+def main(args):  # train.py as the reference clock's chunks call it, without training: --steps, --resume, checkpoints
+    value = lambda flag, default=None: args[args.index(flag) + 1] if flag in args else default  # noqa: E731
+    out, steps, every = value("--out-dir"), int(value("--steps")), int(value("--save-every-steps"))
+    open(os.environ["STUB_LOG"], "a").write(" ".join(args) + "\\n")
+    os.makedirs(out, exist_ok=True)
+    start = 0
+    if "--resume" in args:  # from the last checkpoint; rows after it are dropped, as train.py does
+        start = max(int(d.split("-")[1]) for d in os.listdir(out) if d.startswith("checkpoint-"))
+    rows = [json.loads(line) for line in open(os.path.join(out, "metrics.jsonl"))][:start] if start else []
+    n = int(value("--n")); m = int(value("--m", n))
+    config = {"model_resolved": "embedded", "rule": value("--rule"), "n": n, "m": m, "seed": int(value("--seed")),
+              "steps": steps, "time_budget": 0.0, "save_every_steps": every}
+    open(os.path.join(out, "config.json"), "w").write(json.dumps(config, indent=2))
+    stop_at = int(os.environ.get("STUB_STOP_AT", "0"))
+    with open(os.path.join(out, "metrics.jsonl"), "w") as f:
+        for row in rows:
+            f.write(json.dumps(row) + "\\n")
+        for k in range(start + 1, steps + 1):  # 5 s a step on this machine; 3 s on the reference's (completion_len 20)
+            f.write(json.dumps({"step": k, "elapsed_s": 5.0 * k, "generation_s": 2.5, "update_s": 2.5,
+                                "completion_len": 20.0, "truncated_frac": 0.0}) + "\\n")
+            if k % every == 0 or k == steps or k == stop_at:
+                os.makedirs(os.path.join(out, f"checkpoint-{k}"), exist_ok=True)
+            if k == stop_at:  # Ctrl-C: train.py saves the finished step, then exits 130
+                return 130
+    return 0
+if __name__ == "__main__":  # eval.py imports train
+    sys.exit(main(sys.argv[1:]))
+"""
+
+
+def test_plateau_plan_on_the_reference_clock_trains_a_new_seed_in_chunks_to_the_budget_and_resumes_after_ctrl_c(tmp_path):
+    """CLOCK=reference, as a user runs it on a machine of another speed (train.py stubbed: its steps take
+    5 s here and cost 3 s on the reference clock fit on seed 0's kept runs, whose first step took 10 s).
+    Seed 5's first run is stopped by a Ctrl-C at step 7, the same command continues it from checkpoint-7;
+    each run trains in chunks of --steps until the clock reaches BUDGET=1 minute (10 + 17 x 3 = 61 s: 18
+    steps, on this machine's clock 90 s), no speed check runs, and seed 5 is listed once in
+    slower-machine-seeds.txt; a finished plan trains nothing more, and a kept seed's missing run is refused."""
+    root = project_copy(tmp_path)
+    (root / "train.py").write_text(STUB_CLOCK_TRAIN)
+    keep = root / "docs" / "cpu-plateau"
+    rows = [{"completion_len": 20.0, "truncated_frac": 0.0}] * 40  # 10 s, then 3 s a step: 127 s, past the budget
+    for name, config in (("grpo-n8-s0", {"rule": "none", "n": 8, "m": 8}), ("pods-n8-m4-s0", {"rule": "max_variance", "n": 8, "m": 4}),
+                         ("grpo-n4-s0", {"rule": "none", "n": 4, "m": 4}), ("pods-n16-m4-s0", {"rule": "max_variance", "n": 16, "m": 4})):
+        write_constructed_run(keep / name, {**config, "seed": 0, "time_budget": 1.0}, rows)
+    log = tmp_path / "train-calls.txt"
+    plan = dict(PLAN="plateau", CLOCK="reference", BUDGET="1", SEEDS="5", ABLATION_SEEDS="", STAGES="train", STUB_LOG=str(log))
+    stopped = run_reproduction(root, **plan, STUB_STOP_AT="7")
+    assert stopped.returncode != 0 and "grpo-n8-s5: 17 more steps to reach 1 minutes on the reference clock" in stopped.stdout
+    calls = log.read_text().splitlines()
+    assert len(calls) == 1 and "--steps 17" in calls[0] and "--save-every-steps 20" in calls[0] and "--time-budget" not in calls[0]
+
+    done = run_reproduction(root, **plan)
+    assert done.returncode == 0, done.stdout + done.stderr
+    calls = log.read_text().splitlines()
+    grpo_calls = [c for c in calls if "grpo-n8-s5" in c]
+    # resumed at checkpoint-7 for the 17 steps planned, then one step more: 10 + 16 x 3 = 58 s, then 61 s
+    assert ["--resume" in c for c in grpo_calls] == [False, True, True]
+    assert [re.search(r"--steps (\d+)", c).group(1) for c in grpo_calls] == ["17", "17", "18"]
+    for name in ("grpo-n8-s5", "pods-n8-m4-s5", "grpo-n4-s5", "pods-n16-m4-s5"):
+        rows = read_metrics(root / "runs" / "cpu-plateau" / name)
+        assert [r["step"] for r in rows] == list(range(1, 19)) and rows[-1]["elapsed_s"] == 90.0
+    assert len(calls) == 3 + 3 * 2 and not any("--steps 6" in c for c in calls)  # the others in two chunks; no speed check
+    listed = [line for line in (keep / "slower-machine-seeds.txt").read_text().splitlines() if line.startswith("5 ")]
+    assert len(listed) == 1 and "trained on the reference clock (CLOCK=reference" in listed[0]
+
+    again = run_reproduction(root, **plan)
+    assert again.returncode == 0 and len(log.read_text().splitlines()) == len(calls)  # finished: nothing trained
+
+    refused = run_reproduction(root, **{**plan, "SEEDS": "", "ABLATION_SEEDS": "0"})
+    assert refused.returncode == 1 and len(log.read_text().splitlines()) == len(calls)
+    assert ("CLOCK=reference: seed 0's runs in docs/cpu-plateau (" in refused.stdout
+            and "are the reference clock's own runs" in refused.stdout and "maxreward-n8-m4-s0" in refused.stdout)
+    assert run_reproduction(root, **{**plan, "CLOCK": "sundial"}).stdout.startswith("CLOCK=sundial: pass CLOCK=wall")
 
 
 def test_seed_speedups_count_never_reaching_as_zero_and_a_baseline_that_never_does_as_inf():

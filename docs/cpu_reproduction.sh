@@ -33,7 +33,16 @@
 # docs/cpu-plateau/slower-machine-seeds.txt, run a further seed (SEEDS=9), and the tables leave it out.
 # The report also draws every evaluated seed on the reference clock (docs/cpu_plateau_*_reference_clock:
 # each step timed as the unlisted seeds' machine took such a step, eval.py --reference-runs), and the
-# unlisted seeds alone on it (*_clock_check) beside their own clocks.
+# unlisted seeds alone on it (*_clock_check) beside their own clocks, and the seeds that trained the whole
+# budget on it (*_clock_to_budget: the unlisted seeds and those trained with CLOCK=reference).
+#
+# CLOCK=reference (any machine, busy or not): each run trains to BUDGET minutes on the reference clock instead
+# of its own, in chunks (train.py --steps N, then --resume with a larger N; the LR is constant), each chunk's N
+# from eval.ReferenceClock over the unlisted seeds' runs, ending less than a step past the budget, with a
+# checkpoint every ~reference minute of steps; no speed check (the clock does not read this machine's time),
+# and the run's seed is listed in slower-machine-seeds.txt, so the wall-clock tables leave it out and the
+# *_clock_to_budget tables take it. Ctrl-C, then the same command continues. For new seeds:
+#   PLAN=plateau CLOCK=reference SEEDS=9 ABLATION_SEEDS= bash docs/cpu_reproduction.sh
 #
 # Before each training run the script repeats the first 6 steps of seed REF_SEED (default 0) of the run's setting (the same
 # n and m; ~1 minute) and stops (exit 1) if they take more than 1.25x as long as in its record: the
@@ -66,13 +75,48 @@ else
 fi
 STAGES=${STAGES:-"train eval report"}
 TAKE_TURNS=${TAKE_TURNS:-0}
+CLOCK=${CLOCK:-wall}
 TASK=arith:2
-COMMON="--dataset $TASK --prompts-per-step 4 --max-new-tokens 32 --lr 3e-4 --steps 1000 --time-budget $BUDGET
-        --save-every-minutes 1 --save-every-steps 0 --warmup-ratio 0"
+TRAIN="--dataset $TASK --prompts-per-step 4 --max-new-tokens 32 --lr 3e-4 --warmup-ratio 0"  # every run's (a constant LR)
+COMMON="$TRAIN --steps 1000 --time-budget $BUDGET --save-every-minutes 1 --save-every-steps 0"  # to BUDGET minutes of its own
+if [ "$CLOCK" = reference ]; then  # to BUDGET minutes on the reference clock: train_by_clock
+  if [ "$PLAN" != plateau ] || [ "$TAKE_TURNS" = 1 ]; then echo "CLOCK=reference is for PLAN=plateau, one run at a time (not TAKE_TURNS=1)"; exit 1; fi
+elif [ "$CLOCK" != wall ]; then
+  echo "CLOCK=$CLOCK: pass CLOCK=wall (each run's own minutes, on seeds 0-3's idle machine) or CLOCK=reference"; exit 1
+fi
 EVAL="--dataset $TASK --limit 256 --repeats 1"
 
-finished() {  # the run's last metrics row has used the whole budget
-  [ -f "$1/metrics.jsonl" ] && python - "$1/metrics.jsonl" "$BUDGET" <<'EOF'
+# Seeds whose runs did not run on the reference machine (seeds 0-3's), a seed a line with why: the wall-clock tables leave them out
+listed_seeds() { echo " $(grep -v '^#' "$KEEP/slower-machine-seeds.txt" 2>/dev/null | awk '{print $1}' | tr '\n' ' ')"; }
+idle() { local dir listed; listed=$(listed_seeds); for dir in "$@"; do [[ "$listed" == *" ${dir##*-s} "* ]] || echo "$dir"; done; }
+reference_runs() { idle "$KEEP"/grpo-n8-s* "$KEEP"/pods-n8-m4-s* "$KEEP"/grpo-n4-s* "$KEEP"/pods-n16-m4-s*; }
+
+clock() {  # CLOCK=reference: "STEPS_LEFT SAVE_EVERY" for run dir $1 (then its train.py arguments, for a run not started):
+  # the steps it needs to reach BUDGET minutes on the reference clock (0: reached; eval.ReferenceClock over the unlisted
+  # seeds' runs), and a checkpoint interval of about a reference minute, in steps
+  python - "$BUDGET" "$@" :: $(reference_runs) <<'EOF'
+import argparse, sys
+from pathlib import Path
+import eval
+budget, run, *rest = sys.argv[1:]
+args, reference = rest[:rest.index("::")], [Path(r) for r in rest[rest.index("::") + 1:]]
+parser = argparse.ArgumentParser()  # a run not started: its setting from its train.py arguments
+for flag, kind in (("--rule", str), ("--n", int), ("--m", int)):
+    parser.add_argument(flag, type=kind)
+config = eval.run_config(run) or vars(parser.parse_known_args(args)[0])
+label, clock = eval.label_of(config), eval.ReferenceClock(reference)
+print(clock.steps_left(label, eval.read_metrics(Path(run)), float(budget) * 60), max(1, round(60 / clock.mean_step[label])))
+EOF
+}
+
+by_clock() { grep -qE '"time_budget": *0(\.0)?([,}]|$)' "$1/config.json" 2>/dev/null; }  # run $1 trained to a number of steps (CLOCK=reference)
+
+finished() {  # the run has trained its whole budget: its own minutes, or (a run trained with CLOCK=reference) the clock's
+  [ -f "$1/metrics.jsonl" ] || return 1
+  if by_clock "$1"; then
+    [ "$(clock "$1" | cut -d' ' -f1)" = 0 ]; return
+  fi
+  python - "$1/metrics.jsonl" "$BUDGET" <<'EOF'
 import json, sys
 rows = [json.loads(line) for line in open(sys.argv[1]) if line.strip()]
 sys.exit(0 if rows and rows[-1]["elapsed_s"] >= float(sys.argv[2]) * 60 else 1)
@@ -116,9 +160,39 @@ if now / kept > eval.SLOW_MACHINE:
 EOF
 }
 
+list_seed() {  # CLOCK=reference, before training run $1 (seed $2): its seed is listed, so the wall-clock tables leave it out
+  local seed=$2 dir
+  if [[ "$(listed_seeds)" == *" $seed "* ]]; then return; fi
+  for dir in "$KEEP"/*-s"$seed"; do
+    if [ -f "$dir/config.json" ] && ! by_clock "$dir"; then
+      echo "CLOCK=reference: seed $seed's runs in $KEEP ($(basename "$dir"), ...) are the reference clock's own runs, timed by" \
+           "their own minutes; train $1 with CLOCK=wall on their machine, or pass SEEDS and ABLATION_SEEDS without seed $seed"
+      exit 1
+    fi
+  done
+  echo "$seed       trained on the reference clock (CLOCK=reference, from $(date -u '+%d %B %Y %H:%M') UTC): timed by the reference machine's step costs, not its own minutes" >> "$KEEP/slower-machine-seeds.txt"
+}
+
+train_by_clock() {  # CLOCK=reference: train.py in chunks of --steps, each resuming the last, until the reference clock reaches BUDGET
+  local dir=$1 plan left every; shift
+  list_seed "$(basename "$dir")" "$(sed -n 's/.*--seed \([0-9]*\).*/\1/p' <<< "$*")"
+  while true; do
+    plan=$(clock "$dir" "$@")  # (a failure stops the script: set -e)
+    read -r left every <<< "$plan"
+    if [ "$left" = 0 ]; then return; fi
+    local resume=()
+    if ls "$dir" 2>/dev/null | grep -q checkpoint-; then resume=(--resume); else rm -rf "$dir"; fi
+    local done_steps=0
+    if [ -f "$dir/metrics.jsonl" ]; then done_steps=$(grep -c . "$dir/metrics.jsonl"); fi
+    echo "$(basename "$dir"): $left more steps to reach $BUDGET minutes on the reference clock (a checkpoint every $every)"
+    python train.py $TRAIN "$@" --steps $((done_steps + left)) --save-every-minutes 0 --save-every-steps "$every" "${resume[@]}" --out-dir "$dir"
+  done
+}
+
 run() {  # a run finished here, or kept in docs from another machine (runs/ is not in git), is not redone
   local dir=$OUT/$1 kept=$KEEP/$1; shift
   if finished "$dir" || { [ ! -d "$dir" ] && finished "$kept"; }; then return; fi
+  if [ "$CLOCK" = reference ] || by_clock "$dir"; then train_by_clock "$dir" "$@"; return; fi  # (begun on the clock: stays on it)
   if ls "$dir" 2>/dev/null | grep -q checkpoint-; then
     set -- "$@" --resume
   else
@@ -217,8 +291,7 @@ if [[ " $STAGES " == *" report "* ]]; then
     # A wall-clock comparison needs every run on the same idle machine: seeds listed in
     # $KEEP/slower-machine-seeds.txt (their runs marked "slower machine" in the step-cost tables) are
     # left out of the tables and drawn with every seed beside them, in docs/cpu_plateau_*_all_seeds.
-    SLOW_SEEDS=" $(grep -v '^#' "$KEEP/slower-machine-seeds.txt" 2>/dev/null | awk '{print $1}' | tr '\n' ' ')"
-    idle() { local dir; for dir in "$@"; do [[ "$SLOW_SEEDS" == *" ${dir##*-s} "* ]] || echo "$dir"; done; }
+    SLOW_SEEDS=$(listed_seeds)
     plot plateau_equal_rollouts $(idle "$KEEP"/grpo-n8-s* "$KEEP"/pods-n8-m4-s*)
     plot plateau_equal_updates $(idle "$KEEP"/grpo-n4-s* "$KEEP"/pods-n16-m4-s*)
     plot plateau_n_ablation $(idle "$KEEP"/grpo-n4-s* "$KEEP"/pods-n8-m4-s* "$KEEP"/pods-n16-m4-s*)
@@ -236,6 +309,11 @@ if [[ " $STAGES " == *" report "* ]]; then
       # the check: the unlisted seeds alone on the clock, against their own clocks (the tables above)
       plot plateau_equal_rollouts_clock_check $(idle "${rollouts[@]}") --reference-runs $reference
       plot plateau_equal_updates_clock_check $(idle "${updates[@]}") --reference-runs $reference
+      # the seeds that trained the whole budget on the clock: the unlisted ones (the clock's own machine) and those
+      # trained with CLOCK=reference, to their shortest run's horizon
+      to_budget() { local dir; for dir in "$@"; do if [ -n "$(idle "$dir")" ] || by_clock "$dir"; then echo "$dir"; fi; done; }
+      plot plateau_equal_rollouts_clock_to_budget $(evaluated $(to_budget "${rollouts[@]}")) --reference-runs $reference
+      plot plateau_equal_updates_clock_to_budget $(evaluated $(to_budget "${updates[@]}")) --reference-runs $reference
     fi
   else
   plot equal_rollouts "$KEEP"/grpo-n8-s* "$KEEP"/pods-n8-m4-s* "$KEEP"/pods-n8-m2-s*
