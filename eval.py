@@ -749,21 +749,27 @@ class ReferenceClock:
     def features(row: dict) -> list[float]:
         return [1.0, row["completion_len"], row["truncated_frac"]]
 
-    def elapsed(self, label: str, rows: list[dict]) -> list[float]:
-        """Seconds of training on the reference clock at the end of each of a run's steps (rows from step 1)."""
+    def costs(self, label: str, rows: list[dict]) -> list[float]:
+        """Seconds of each of a run's steps (rows from step 1) on the reference clock."""
         if label not in self.line:
             raise EvalError(f"no reference runs of {label} (the reference runs are {', '.join(self.line)}): pass some to --reference-runs")
-        seconds = [self.first[label]] + [float(self.line[label] @ self.features(r)) for r in rows[1:]]
-        return np.cumsum(seconds).tolist()
+        if [r["step"] for r in rows] != list(range(1, len(rows) + 1)):
+            raise EvalError("its metrics.jsonl rows do not hold every step from 1 on, so the reference clock cannot time them")
+        return ([self.first[label]] + [float(self.line[label] @ self.features(r)) for r in rows[1:]]) if rows else []
+
+    def elapsed(self, label: str, rows: list[dict]) -> list[float]:
+        """Seconds of training on the reference clock at the end of each of a run's steps (rows from step 1)."""
+        return np.cumsum(self.costs(label, rows)).tolist()
 
     def at_steps(self, run: Path, label: str, steps: list[int]) -> list[float]:
         """The reference-clock time at each of a run's (of setting `label`) steps (0: the base model, time 0)."""
         rows = read_metrics(run)
-        if [r["step"] for r in rows] != list(range(1, len(rows) + 1)):
-            raise EvalError(f"{run}/metrics.jsonl does not hold every step from 1 on, so the reference clock cannot time it")
+        try:
+            times = [0.0] + self.elapsed(label, rows)
+        except EvalError as e:
+            raise EvalError(f"{run}: {e}") from None
         if max(steps, default=0) > len(rows):
             raise EvalError(f"{run} was evaluated at step {max(steps)}, past its metrics.jsonl's last ({len(rows)})")
-        times = [0.0] + self.elapsed(label, rows)
         return [times[k] for k in steps]
 
     def steps_left(self, label: str, rows: list[dict], seconds: float) -> int:
@@ -772,18 +778,14 @@ class ReferenceClock:
         cost of the run's last 10 steps (the reference mean after a first step, before it has any) and rounded
         down, but at least 1: trained in chunks of it (train.py --steps N --resume), a run ends less than one step past
         `seconds`, in a few chunks."""
-        if label not in self.line:
-            raise EvalError(f"no reference runs of {label} (the reference runs are {', '.join(self.line)}): pass some")
-        if [r["step"] for r in rows] != list(range(1, len(rows) + 1)):
-            raise EvalError("the metrics.jsonl rows do not hold every step from 1 on, so the reference clock cannot time them")
+        costs = self.costs(label, rows)
         if not rows:  # the first step warms up
             return 1 + max(0, int((seconds - self.first[label]) // self.mean_step[label]))
-        done = self.elapsed(label, rows)[-1]
-        if done >= seconds:
+        if sum(costs) >= seconds:
             return 0
-        recent = rows[1:][-10:]
-        cost = float(np.mean([self.line[label] @ self.features(r) for r in recent])) if recent else self.mean_step[label]
-        return max(1, int((seconds - done) // max(cost, 1e-9)))
+        recent = costs[1:][-10:]
+        cost = float(np.mean(recent)) if recent else self.mean_step[label]
+        return max(1, int((seconds - sum(costs)) // max(cost, 1e-9)))
 
     def describe(self) -> list[str]:
         """How well the clock fits, and how well it reproduces the reference runs' own clocks."""

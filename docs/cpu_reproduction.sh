@@ -303,7 +303,7 @@ if [[ " $STAGES " == *" report "* ]]; then
       plot plateau_equal_updates_all_seeds $(evaluated "${updates[@]}")
       # Every evaluated seed on the reference clock (eval.py --reference-runs): each step timed as the
       # unlisted seeds' machine took such a step, so runs from machines of other speeds compare
-      reference=$(idle "${rollouts[@]}" "${updates[@]}")
+      reference=$(reference_runs)
       plot plateau_equal_rollouts_reference_clock $(evaluated "${rollouts[@]}") --reference-runs $reference
       plot plateau_equal_updates_reference_clock $(evaluated "${updates[@]}") --reference-runs $reference
       # the check: the unlisted seeds alone on the clock, against their own clocks (the tables above)
