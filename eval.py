@@ -80,11 +80,14 @@ class Settings:
     temperature: float
     max_new_tokens: int
     seed: int = 0
+    precision: str = "bfloat16"  # of the transformers backend's generation: float32 on a CPU without bfloat16 arithmetic
 
     def key(self) -> dict:
-        """What must match for stored results to be reused."""
-        return {"dataset": self.dataset, "limit": self.limit, "samples": self.samples, "repeats": self.repeats,
-                "temperature": self.temperature, "max_new_tokens": self.max_new_tokens, "seed": self.seed}
+        """What must match for stored results to be reused (and for runs compared in one plot). The
+        precision is named only when float32: every result stored before it was named is bfloat16."""
+        key = {"dataset": self.dataset, "limit": self.limit, "samples": self.samples, "repeats": self.repeats,
+               "temperature": self.temperature, "max_new_tokens": self.max_new_tokens, "seed": self.seed}
+        return key if self.precision == "bfloat16" else {**key, "precision": self.precision}
 
 
 @dataclass
@@ -200,6 +203,12 @@ def generation_code() -> dict:
     return {"sampling.py": hashlib.sha256(Path(sampling.__file__).read_bytes()).hexdigest()[:16], **versions}
 
 
+def generation_precision(backend: str) -> str:
+    """bfloat16 (vLLM, a GPU, a CPU with AVX-512 BF16 or AMX), else float32: train.py's CPU default there."""
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    return "bfloat16" if sampling.uses_vllm(backend, device) or sampling.computes_bfloat16(device) else "float32"
+
+
 def base_cache_file(base: str, settings: Settings) -> Path:
     """Where the base model's result for these settings is kept: every run of one model starts
     from the same weights, so its step-0 point is evaluated once, not once per run, and again after
@@ -238,9 +247,11 @@ def evaluate(path: str, settings: Settings, out: str | None, force: bool, backen
     if use_vllm:
         sampler = make_vllm_sampler(base, tokenizer, prompts, adapters, settings, options)
     else:
-        sampler = sampling.HFSampler(model, tokenizer, settings.max_new_tokens, settings.temperature, autocast_bf16=device == "cpu",
-                                     merged=True)  # as train.py generates: a bfloat16 copy, the adapter merged in
-    log.info("generation backend: %s, %d questions", "vLLM" if use_vllm else "transformers (a bfloat16 copy, adapter merged)", len(prompts))
+        bf16 = settings.precision == "bfloat16"  # as train.py generates: a bfloat16 copy, the adapter merged in (float32 where
+        sampler = sampling.HFSampler(model, tokenizer, settings.max_new_tokens, settings.temperature,  # the CPU emulates bfloat16)
+                                     autocast_bf16=bf16 and device == "cpu", merged=bf16)
+    log.info("generation backend: %s, %d questions", "vLLM" if use_vllm else "transformers (a bfloat16 copy, adapter merged)"
+             if settings.precision == "bfloat16" else "transformers (float32: this CPU has no bfloat16 arithmetic)", len(prompts))
     try:
         evaluate_targets(todo, model, sampler, adapters, prompts, examples, settings, use_vllm and device == "cuda",
                          base, out_path, done, cache)
@@ -1005,7 +1016,7 @@ def main(argv: list[str] | None = None) -> int:
             raise EvalError(f"--temperature {args.temperature} must be > 0: repeats measure sampling variation")
         sampling.check_vllm_memory_flags(args.gpu_memory_utilization, args.vllm_kv_cache_gb)
         settings = Settings(dataset, parse_limit(args.limit, dataset), args.samples, args.repeats, args.temperature,
-                            args.max_new_tokens, args.seed)
+                            args.max_new_tokens, args.seed, precision=generation_precision(args.backend))
         options = VLLMOptions(args.gpu_memory_utilization, args.vllm_kv_cache_gb, args.enforce_eager)
         out = evaluate(args.path, settings, args.out, args.force, args.backend, options)
         print(f"results: {out}")

@@ -564,6 +564,17 @@ def vllm_available() -> bool:
     return importlib.util.find_spec("vllm") is not None
 
 
+def computes_bfloat16(device: str) -> bool:
+    """Whether `device` multiplies bfloat16 in hardware: a GPU, or a CPU with AVX-512 BF16 or AMX (as
+    torch reports them). Elsewhere (an AVX2-only x86 CPU, most laptops; an ARM CPU, which torch's flags do
+    not cover) torch emulates bfloat16 matrix products, several times slower than float32 (docs/speed.md:
+    a GRPO step took 335 s instead of 25 s), so the CPU profile and eval.py compute in float32 there."""
+    if device != "cpu":
+        return True
+    cpu = torch.cpu
+    return any(getattr(cpu, name, lambda: False)() for name in ("_is_avx512_bf16_supported", "_is_amx_tile_supported"))
+
+
 def uses_vllm(backend: str, device: str) -> bool:
     """Whether --backend (vllm | hf | auto) means vLLM: auto picks it when it imports and a GPU is present."""
     if backend == "vllm" and not vllm_available():

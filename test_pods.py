@@ -539,10 +539,15 @@ def test_only_the_kept_rollouts_enter_the_update(tiny_model_dir, tmp_path, monke
     assert max(rollouts_seen) <= 3  # --micro-batch 3
 
 
-def test_default_command_on_a_cpu_takes_the_built_in_task_without_touching_the_network(tiny_model_dir, tmp_path, monkeypatch, caplog):
+@pytest.mark.parametrize("bf16_cpu", [True, False], ids=["cpu-with-bfloat16", "cpu-without-bfloat16"])
+def test_default_command_on_a_cpu_takes_the_built_in_task_without_touching_the_network(tiny_model_dir, tmp_path, monkeypatch, caplog, bf16_cpu):
     """`python train.py --n 32 --m 16` with no GPU: --dataset auto is the arithmetic task, and no
-    connection is attempted (the tiny model stands in for the embedded one through --model)."""
+    connection is attempted (the tiny model stands in for the embedded one through --model). It
+    computes in bfloat16 on a CPU with bfloat16 arithmetic (AVX-512 BF16, AMX) and in float32 on one
+    that would emulate it (an AVX2 laptop), where bfloat16 made a step ~10x slower."""
     import socket
+
+    monkeypatch.setattr(sampling, "computes_bfloat16", lambda device: bf16_cpu or device != "cpu")
 
     def no_network(*args, **kwargs):
         raise AssertionError("the network was touched")
@@ -558,7 +563,30 @@ def test_default_command_on_a_cpu_takes_the_built_in_task_without_touching_the_n
     config = json.loads((out / "config.json").read_text())
     assert config["dataset"] == "arith" and config["device"] == "cpu" and config["share_prompt"] is True
     assert [p.name for p in checkpoint.find(out)] == ["checkpoint-1"]
-    assert f"on arith with transformers (a bfloat16 copy, LoRA merged) generation, writing {out}" in caplog.text
+    assert config["bf16_autocast"] is bf16_cpu and config["merged_sampler"] is bf16_cpu
+    backend = "a bfloat16 copy, LoRA merged" if bf16_cpu else "float32: this CPU has no bfloat16 arithmetic"
+    assert f"on arith with transformers ({backend}) generation, writing {out}" in caplog.text
+    assert "slower" not in caplog.text  # no warning: the defaults are the CPU's own
+
+
+def test_bfloat16_forced_on_a_cpu_that_emulates_it_is_kept_with_a_warning_and_the_gpu_profile_is_unchanged(monkeypatch, caplog):
+    monkeypatch.setattr(sampling, "computes_bfloat16", lambda device: device != "cpu")
+    with caplog.at_level(logging.WARNING, logger="pods"):
+        forced = train.resolve(train.parse_args(["--bf16-autocast"]), "cpu")
+    assert forced.bf16_autocast is True and forced.merged_sampler is False
+    assert "--bf16-autocast on a CPU that emulates bfloat16 (no AVX-512 BF16 or AMX): steps are several times slower" in caplog.text
+    gpu = train.resolve(train.parse_args([]), "cuda")
+    assert (gpu.bf16_autocast, gpu.bf16_weights, gpu.merged_sampler) == (False, True, True)
+
+
+def test_computes_bfloat16_reads_what_the_cpu_reports():
+    """Against /proc/cpuinfo's flags, a source torch does not share: avx512_bf16 or amx_bf16."""
+    cpuinfo = Path("/proc/cpuinfo")
+    if not cpuinfo.exists():
+        pytest.skip("no /proc/cpuinfo (not Linux)")
+    flags = set(re.search(r"^flags\s*:(.*)$", cpuinfo.read_text(), re.M).group(1).split())
+    assert sampling.computes_bfloat16("cpu") == bool(flags & {"avx512_bf16", "amx_bf16"})
+    assert sampling.computes_bfloat16("cuda")
 
 
 def test_gsm8k_with_no_hub_fails_at_once_with_what_to_pass(monkeypatch):
@@ -1326,8 +1354,9 @@ def project_copy(root: Path) -> Path:
 
 
 def run_reproduction(root: Path, **env: str) -> subprocess.CompletedProcess:
-    """bash docs/cpu_reproduction.sh in a project copy, with this interpreter as `python`."""
-    env = {**os.environ, "PATH": f"{Path(sys.executable).parent}{os.pathsep}{os.environ['PATH']}", **env}
+    """bash docs/cpu_reproduction.sh in a project copy, with this interpreter as `python` (and, train.py
+    stubbed, on any CPU: CHECK_CPU=0 unless a test passes it)."""
+    env = {**os.environ, "PATH": f"{Path(sys.executable).parent}{os.pathsep}{os.environ['PATH']}", "CHECK_CPU": "0", **env}
     return subprocess.run(["bash", str(root / "docs" / "cpu_reproduction.sh")], env=env, capture_output=True, text=True, timeout=300)
 
 
@@ -1352,6 +1381,27 @@ def main(args):  # metrics rows for --steps steps or the time budget, without tr
 if __name__ == "__main__":  # eval.py imports train
     sys.exit(main(sys.argv[1:]))
 """
+
+
+def test_reproduction_stops_at_once_on_a_cpu_that_emulates_bfloat16_but_redraws_there(tmp_path):
+    """The kept runs computed in bfloat16: on a CPU without its arithmetic (sampling.computes_bfloat16
+    stubbed to say so) training and evaluation stop before any run, in one line; the report stage, which
+    computes nothing, runs; CHECK_CPU=0 trains anyway, with the kept runs' bfloat16 flags."""
+    root = project_copy(tmp_path)
+    (root / "train.py").write_text(STUB_TRAIN)
+    (root / "sampling.py").write_text("def computes_bfloat16(device):\n    return False\n")
+    log = tmp_path / "calls.log"
+    env = dict(PLAN="plateau", SEEDS="0", ABLATION_SEEDS="", CHECK_SPEED="0", STUB_LOG=str(log), STUB_STEP_S="60")
+    for stages in ("train", "eval", "train eval report"):
+        stopped = run_reproduction(root, STAGES=stages, CHECK_CPU="1", **env)
+        assert stopped.returncode == 1 and not log.exists()
+        assert stopped.stdout.strip().startswith("this CPU has no bfloat16 arithmetic (no AVX-512 BF16 or AMX)")
+        assert "CHECK_CPU=0 to run anyway" in stopped.stdout and "Traceback" not in stopped.stderr
+    assert "this CPU" not in run_reproduction(root, STAGES="report", CHECK_CPU="1", **env).stdout
+    anyway = run_reproduction(root, STAGES="train", CHECK_CPU="0", **env)
+    assert anyway.returncode == 0, anyway.stdout + anyway.stderr
+    calls = log.read_text().splitlines()
+    assert len(calls) == 4 and all("--bf16-autocast --merged-sampler" in c for c in calls)
 
 
 def test_plateau_plan_skips_runs_kept_from_another_machine_and_stops_on_a_slower_one(tmp_path):
@@ -1824,6 +1874,7 @@ def test_plateau_plan_on_the_reference_clock_trains_a_new_seed_in_chunks_to_the_
     assert stopped.returncode != 0 and "grpo-n8-s5: 17 more steps to reach 1 minutes on the reference clock" in stopped.stdout
     calls = log.read_text().splitlines()
     assert len(calls) == 1 and "--steps 17" in calls[0] and "--save-every-steps 20" in calls[0] and "--time-budget" not in calls[0]
+    assert not (keep / "grpo-n8-s5").exists()  # not finished: nothing kept yet
 
     done = run_reproduction(root, **plan)
     assert done.returncode == 0, done.stdout + done.stderr
@@ -1835,6 +1886,8 @@ def test_plateau_plan_on_the_reference_clock_trains_a_new_seed_in_chunks_to_the_
     for name in ("grpo-n8-s5", "pods-n8-m4-s5", "grpo-n4-s5", "pods-n16-m4-s5"):
         rows = read_metrics(root / "runs" / "cpu-plateau" / name)
         assert [r["step"] for r in rows] == list(range(1, 19)) and rows[-1]["elapsed_s"] == 90.0
+        for record in ("config.json", "metrics.jsonl"):  # kept in docs/ as soon as it finished, before any evaluation
+            assert (keep / name / record).read_text() == (root / "runs" / "cpu-plateau" / name / record).read_text()
     assert len(calls) == 3 + 3 * 2 and not any("--steps 6" in c for c in calls)  # the others in two chunks; no speed check
     listed = [line for line in (keep / "slower-machine-seeds.txt").read_text().splitlines() if line.startswith("5 ")]
     assert len(listed) == 1 and "trained on the reference clock (CLOCK=reference" in listed[0]
@@ -2379,7 +2432,8 @@ def test_resolve_on_a_gpu_gives_the_authors_single_gpu_configuration():
     assert (args.adam_beta1, args.adam_beta2, args.weight_decay, args.max_grad_norm, args.warmup_ratio, args.temperature) == \
         (0.9, 0.99, 0.1, 0.1, 0.01, 0.9)
     cpu = train.resolve(train.Args(), "cpu")
-    assert not cpu.gradient_checkpointing and not cpu.bf16_weights and cpu.bf16_autocast and cpu.dataset == "arith"
+    assert not cpu.gradient_checkpointing and not cpu.bf16_weights and cpu.dataset == "arith"
+    assert cpu.bf16_autocast is cpu.merged_sampler is sampling.computes_bfloat16("cpu")  # float32 where bfloat16 is emulated
 
 
 def test_gpu_profile_dress_rehearsal_on_a_cpu_trains_saves_and_resumes(tiny_model_dir, tmp_path, monkeypatch):
@@ -2711,17 +2765,24 @@ def test_every_training_flag_reaches_the_run(tiny_model_dir, tmp_path, monkeypat
         train.tokenize_examples(data.load_examples("arith", "train")[:3], sampling.load_policy(str(tiny_model_dir), "cpu", torch.float32)[1], 5)
 
 
-def test_benchmark_runs_for_small_n_and_leaves_out_m_below_2(tiny_model_dir, capsys):
-    """--benchmark --n 4 once ran its timed work and then crashed on m = n/4 = 1. Through benchmark.py's entry point."""
+@pytest.mark.parametrize("bf16_cpu", [True, False], ids=["cpu-with-bfloat16", "cpu-without-bfloat16"])
+def test_benchmark_runs_for_small_n_and_leaves_out_m_below_2(tiny_model_dir, capsys, monkeypatch, bf16_cpu):
+    """--benchmark --n 4 once ran its timed work and then crashed on m = n/4 = 1. Through benchmark.py's entry point,
+    on either kind of CPU: a merged bfloat16 copy samples slightly off the update's float32 log-probs, float32 does not."""
     import benchmark
+
+    monkeypatch.setattr(sampling, "computes_bfloat16", lambda device: bf16_cpu)
 
     assert benchmark.main(["--model", str(tiny_model_dir), "--dataset", "arith", "--n", "4", "--prompts-per-step", "2",
                        "--max-new-tokens", "4", "--lora-rank", "4"]) == 0
     out = capsys.readouterr().out
     assert "GRPO n=4" in out and "PODS n=4 m=2" in out and "m=1" not in out and "step time per completion token" in out
     gap = re.search(r"log p\| gap per completion token: mean ([0-9.]+), max ([0-9.]+)", out)
-    assert gap and 0 < float(gap[1]) <= float(gap[2]) < 0.5  # the merged bfloat16 copy against the update
-    decode = re.search(r"decode step at 32 rows .*: ([0-9.]+) ms with the training sampler .*, ([0-9.]+) ms sampling the trained"
+    if bf16_cpu:
+        assert gap and 0 < float(gap[1]) <= float(gap[2]) < 0.5  # the merged bfloat16 copy against the update
+    else:
+        assert gap and float(gap[1]) <= float(gap[2]) < 1e-3  # float32 sampler and update: the same model, the same rounding
+    decode = re.search(r"decode step at 32 rows .*: ([0-9.]+) ms with the training sampler.*, ([0-9.]+) ms sampling the trained"
                        r" model itself; .* alone take ([0-9.]+) ms", out)
     assert decode and all(float(x) > 0 for x in decode.groups())
 
@@ -2736,6 +2797,23 @@ def test_eval_with_one_repeat_has_no_standard_error_and_force_evaluates_everythi
     with caplog.at_level("INFO", logger="pods"):
         assert evaluation.main([*argv, "--force"]) == 0
     assert "3 to evaluate, 0 already in" in caplog.text and "result reused" not in caplog.text
+
+
+def test_eval_on_a_cpu_that_emulates_bfloat16_evaluates_in_float32_and_keeps_those_results_apart(tiny_run, tmp_path, monkeypatch, caplog, capsys):
+    """As train.py's CPU default there; the precision is part of the settings, so float32 results are
+    neither reused in bfloat16 nor mixed with them in a plot, and bfloat16 results stay as stored before."""
+    argv = [str(tiny_run), "--dataset", "arith", "--limit", "2", "--repeats", "1", "--max-new-tokens", "3"]
+    f32, bf16 = tmp_path / "f32.json", tmp_path / "bf16.json"
+    monkeypatch.setattr(sampling, "computes_bfloat16", lambda device: device != "cpu")
+    with caplog.at_level("INFO", logger="pods"):
+        assert evaluation.main([*argv, "--out", str(f32)]) == 0
+    assert json.loads(f32.read_text())["settings"]["precision"] == "float32"
+    assert "generation backend: transformers (float32: this CPU has no bfloat16 arithmetic)" in caplog.text
+    monkeypatch.setattr(sampling, "computes_bfloat16", lambda device: True)
+    assert evaluation.main([*argv, "--out", str(f32)]) == 2
+    assert "holds results made with other settings {'precision': 'float32'}; pass --force" in capsys.readouterr().err
+    assert evaluation.main([*argv, "--out", str(bf16)]) == 0
+    assert "precision" not in json.loads(bf16.read_text())["settings"]  # as every result stored before it was named
 
 
 def test_plot_takes_the_baseline_it_is_given(tmp_path, capsys):

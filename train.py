@@ -104,21 +104,33 @@ class Args:
     vllm_sleep: bool = arg(False, "vLLM: free its KV cache during each update and re-allocate it before the next generation (memory for training, at a cost per step)")
     gradient_checkpointing: bool | None = arg(None, "recompute activations in the backward pass [GPU on, CPU off]")
     bf16_weights: bool | None = arg(None, "store the frozen base weights in bfloat16 (the LoRA adapter stays float32) [GPU on, CPU off]")
-    bf16_autocast: bool | None = arg(None, "bfloat16 autocast for generation and the update [GPU off (the weights are bfloat16 already), CPU on: ~2x faster]")
+    bf16_autocast: bool | None = arg(None, "bfloat16 autocast for generation and the update [GPU off (the weights are bfloat16 already), CPU on: ~2x faster, "
+                                           "where the CPU computes bfloat16 (AVX-512 BF16 or AMX; elsewhere off: emulated bfloat16 is several times slower)]")
     gen_batch: int = arg(64, "hf backend: sequences per generate call (rounded up to whole groups of n)")
     share_prompt: bool = arg(True, "compute each prompt once per group: one prefill in hf generation, one forward per micro-batch in the update (exact)")
-    merged_sampler: bool = arg(True, "hf backend: generate with a bfloat16 copy of the policy, its LoRA merged in and refreshed after every "
-                                     "update (decode ~3x faster on a CPU; one more bfloat16 copy of the weights in memory); "
-                                     "--no-merged-sampler samples the trained model itself")
+    merged_sampler: bool | None = arg(None, "hf backend: generate with a bfloat16 copy of the policy, its LoRA merged in and refreshed after every "
+                                            "update (decode ~3x faster on a CPU; one more bfloat16 copy of the weights in memory); "
+                                            "--no-merged-sampler samples the trained model itself [on; off on a CPU without bfloat16, as --bf16-autocast]")
     benchmark: bool = arg(False, "time one step's phases for GRPO (m=n) and PODS (m=n/2, n/4), print a table, exit (benchmark.py)")
 
 
 PROFILES = {
     "gpu": dict(prompts_per_step=1, max_new_tokens=512, lr=5e-6, lora_rank=64, lora_alpha=64, micro_batch=4, steps=1000,
-                gradient_checkpointing=True, bf16_autocast=False, bf16_weights=True),
+                gradient_checkpointing=True, bf16_autocast=False, bf16_weights=True, merged_sampler=True),
     "cpu": dict(prompts_per_step=4, max_new_tokens=32, lr=3e-4, lora_rank=16, lora_alpha=32, micro_batch=8, steps=100,
-                gradient_checkpointing=False, bf16_autocast=True, bf16_weights=False),
+                gradient_checkpointing=False, bf16_autocast=True, bf16_weights=False, merged_sampler=True),
 }
+BFLOAT16_FLAGS = ("bf16_autocast", "merged_sampler")  # off in the CPU profile where the CPU emulates bfloat16
+
+
+def profile(device: str) -> dict:
+    """The defaults for `device`: PROFILES, with bfloat16 off on a CPU that emulates it (no AVX-512 BF16
+    or AMX: float32 is several times faster there; sampling.computes_bfloat16)."""
+    if device == "cuda":
+        return PROFILES["gpu"]
+    if sampling.computes_bfloat16(device):
+        return PROFILES["cpu"]
+    return {**PROFILES["cpu"], **{k: False for k in BFLOAT16_FLAGS}}
 
 
 class UsageError(ValueError):
@@ -146,7 +158,11 @@ def parse_args(argv: list[str] | None = None) -> Args:
 def resolve(args: Args, device: str, world_size: int = 1) -> Args:
     """Fill the None fields from the device's profile and check the combination (and that the
     prompts of a step divide among `world_size` processes)."""
-    filled = {k: v for k, v in PROFILES["gpu" if device == "cuda" else "cpu"].items() if getattr(args, k) is None}
+    filled = {k: v for k, v in profile(device).items() if getattr(args, k) is None}
+    forced = [f"--{k.replace('_', '-')}" for k in BFLOAT16_FLAGS if getattr(args, k) and not sampling.computes_bfloat16(device)]
+    if forced:
+        log.warning("%s on a CPU that emulates bfloat16 (no AVX-512 BF16 or AMX): steps are several times slower "
+                    "than in float32, this CPU's default", " and ".join(forced))
     if args.dataset == "auto":  # the paper's task on a GPU; offline on a CPU, the task the embedded model can learn
         filled["dataset"] = data.GSM8K if device == "cuda" else data.ARITH
     args = dataclasses.replace(args, **filled)
@@ -631,7 +647,8 @@ def start_line(args: Args, model_name: str, sampler, out_dir: Path, device: str,
     if isinstance(sampler, sampling.VLLMSampler):
         backend = "vLLM"
     else:
-        backend = "transformers" + (" (a bfloat16 copy, LoRA merged)" if getattr(sampler, "merged", False) else " (bfloat16 autocast)" if args.bf16_autocast else "")
+        backend = "transformers" + (" (a bfloat16 copy, LoRA merged)" if getattr(sampler, "merged", False) else " (bfloat16 autocast)" if args.bf16_autocast
+                                    else " (float32: this CPU has no bfloat16 arithmetic)" if device == "cpu" and not sampling.computes_bfloat16(device) else "")
     model = "the embedded SmolLM2-135M-Instruct" if model_name == sampling.EMBEDDED else model_name
     auto = ("; no GPU, so the embedded model and the built-in task (--model / --dataset choose others)"
             if device == "cpu" and args.model == "auto" else "")

@@ -7,9 +7,10 @@
 #   1. equal rollouts generated: GRPO on all n=8, PODS max-variance n=8 m=4 and m=2   (seeds 0, 1, 2)
 #   2. rules at n=8 m=2: max-variance (from 1), max-reward, random                    (seeds 0, 1)
 #   3. n at m=4: GRPO n=4, PODS n=8 m=4 (from 1), PODS n=16 m=4                        (seeds 0, 1)
-# Then every checkpoint (one a minute) is evaluated on 256 held-out problems (binomial standard error
-# <= 0.031), each run's config, metrics and evaluation are copied to docs/cpu/RUN/ (kept in the
-# repository, a few KB each), and the figures and tables are drawn from those copies.
+# Each run's config and metrics are copied to docs/cpu/RUN/ (kept in the repository, a few KB each) as soon
+# as it finishes training; then every checkpoint (one a minute) is evaluated on 256 held-out problems
+# (binomial standard error <= 0.031), the evaluation copied beside them, and the figures and tables are
+# drawn from those copies.
 #
 #   bash docs/cpu_reproduction.sh                  # everything; BUDGET=3 minutes of training per run
 #   STAGES=report bash docs/cpu_reproduction.sh    # only redraw figures and tables from docs/cpu/
@@ -48,6 +49,8 @@
 # n and m; ~1 minute) and stops (exit 1) if they take more than 1.25x as long as in its record: the
 # machine is busy or slower, its speed drifts within an hour, and a slower machine does not slow every
 # setting alike (PODS n=8 m=4 most), so every run is checked with its own work (CHECK_SPEED=0 skips it).
+# Training and evaluation stop at once (exit 1) on a CPU without bfloat16 arithmetic (no AVX-512 BF16 or AMX; CHECK_CPU=0
+# skips it): the kept runs computed in bfloat16, which such a CPU emulates, a step ~12x slower.
 # It also stops if those steps' metrics differ from the record's: the same seed and settings give the same
 # numbers on one machine, and other numbers on another (seeds 0-3's machine is not the one later sessions
 # had; docs/cpu-reproduction.md). REF_SEED=S makes seed S's records the reference: a series on another machine.
@@ -77,7 +80,7 @@ STAGES=${STAGES:-"train eval report"}
 TAKE_TURNS=${TAKE_TURNS:-0}
 CLOCK=${CLOCK:-wall}
 TASK=arith:2
-TRAIN="--dataset $TASK --prompts-per-step 4 --max-new-tokens 32 --lr 3e-4 --warmup-ratio 0"  # every run's (a constant LR)
+TRAIN="--dataset $TASK --prompts-per-step 4 --max-new-tokens 32 --lr 3e-4 --warmup-ratio 0 --bf16-autocast --merged-sampler"  # every run's (a constant LR; bfloat16: check_cpu)
 COMMON="$TRAIN --steps 1000 --time-budget $BUDGET --save-every-minutes 1 --save-every-steps 0"  # to BUDGET minutes of its own
 if [ "$CLOCK" = reference ]; then  # to BUDGET minutes on the reference clock: train_by_clock
   if [ "$PLAN" != plateau ] || [ "$TAKE_TURNS" = 1 ]; then echo "CLOCK=reference is for PLAN=plateau, one run at a time (not TAKE_TURNS=1)"; exit 1; fi
@@ -85,6 +88,17 @@ elif [ "$CLOCK" != wall ]; then
   echo "CLOCK=$CLOCK: pass CLOCK=wall (each run's own minutes, on seeds 0-3's idle machine) or CLOCK=reference"; exit 1
 fi
 EVAL="--dataset $TASK --limit 256 --repeats 1"
+
+check_cpu() {  # the kept runs computed in bfloat16 on CPUs with AVX-512 BF16; elsewhere torch emulates it
+  if [ "${CHECK_CPU:-1}" = 0 ] || [[ " $STAGES " != *" train "* && " $STAGES " != *" eval "* ]]; then return; fi
+  if ! python -c "import sys, sampling; sys.exit(0 if sampling.computes_bfloat16('cpu') else 1)"; then
+    echo "this CPU has no bfloat16 arithmetic (no AVX-512 BF16 or AMX): the kept runs train and evaluate in bfloat16, which it emulates" \
+         "(a GRPO n=8 step ~12x slower than in float32; docs/speed.md), and eval.py would evaluate in float32 here, which" \
+         "the tables refuse to mix; use a CPU with AVX-512 BF16 (lscpu: avx512_bf16), or CHECK_CPU=0 to run anyway (STAGES=report needs neither)"
+    exit 1
+  fi
+}
+check_cpu
 
 # Seeds whose runs did not run on the reference machine (seeds 0-3's), a seed a line with why: the wall-clock tables leave them out
 listed_seeds() { echo " $(grep -v '^#' "$KEEP/slower-machine-seeds.txt" 2>/dev/null | awk '{print $1}' | tr '\n' ' ')"; }
@@ -229,10 +243,19 @@ took_turns() {  # TAKE_TURNS=1: wait for the runs started together to end
   trap - INT TERM
   TURN_PIDS=()
   if [ $failed = 1 ]; then echo "a run taking turns failed: see the end of its log in $OUT/*.log"; exit 1; fi
+  local name; for name in "${RUNS[@]}"; do keep_record "$OUT/$name"; done
+}
+
+keep_record() {  # a run that has finished training: its config and metrics into docs/ at once (runs/ is not in git), so
+  # a machine lost before evaluation loses only the checkpoints, which docs/replay_run.py rebuilds from this record
+  local dir=$1 kept=$KEEP/$(basename "$1") file
+  if ! finished "$dir"; then return; fi
+  mkdir -p "$kept"
+  for file in config.json metrics.jsonl turns.jsonl; do if [ -f "$dir/$file" ]; then cp "$dir/$file" "$kept/"; fi; done
 }
 
 RUNS=()
-plan() { RUNS+=("$1"); if [[ " $STAGES " == *" train "* ]]; then run "$@"; fi; }
+plan() { RUNS+=("$1"); if [[ " $STAGES " == *" train "* ]]; then run "$@"; keep_record "$OUT/$1"; fi; }
 
 start=$(date +%s)
 if [ "$PLAN" = plateau ]; then
@@ -292,11 +315,11 @@ if [[ " $STAGES " == *" report "* ]]; then
     # $KEEP/slower-machine-seeds.txt (their runs marked "slower machine" in the step-cost tables) are
     # left out of the tables and drawn with every seed beside them, in docs/cpu_plateau_*_all_seeds.
     SLOW_SEEDS=$(listed_seeds)
-    plot plateau_equal_rollouts $(idle "$KEEP"/grpo-n8-s* "$KEEP"/pods-n8-m4-s*)
-    plot plateau_equal_updates $(idle "$KEEP"/grpo-n4-s* "$KEEP"/pods-n16-m4-s*)
-    plot plateau_n_ablation $(idle "$KEEP"/grpo-n4-s* "$KEEP"/pods-n8-m4-s* "$KEEP"/pods-n16-m4-s*)
-    plot plateau_rules $(idle "$KEEP"/pods-n8-m4-s[01] "$KEEP"/maxreward-n8-m4-s* "$KEEP"/random-n8-m4-s*) --baseline "PODS max_variance n=8 m=4"
-    evaluated() { local dir; for dir in "$@"; do [ ! -f "$dir/eval-arith-2.json" ] || echo "$dir"; done; }  # (a seed trained, not yet evaluated, waits)
+    evaluated() { local dir; for dir in "$@"; do [ ! -f "$dir/eval-arith-2.json" ] || echo "$dir"; done; }  # (a run trained, not yet evaluated, waits)
+    plot plateau_equal_rollouts $(evaluated $(idle "$KEEP"/grpo-n8-s* "$KEEP"/pods-n8-m4-s*))
+    plot plateau_equal_updates $(evaluated $(idle "$KEEP"/grpo-n4-s* "$KEEP"/pods-n16-m4-s*))
+    plot plateau_n_ablation $(evaluated $(idle "$KEEP"/grpo-n4-s* "$KEEP"/pods-n8-m4-s* "$KEEP"/pods-n16-m4-s*))
+    plot plateau_rules $(evaluated $(idle "$KEEP"/pods-n8-m4-s[01] "$KEEP"/maxreward-n8-m4-s* "$KEEP"/random-n8-m4-s*)) --baseline "PODS max_variance n=8 m=4"
     if [ -n "${SLOW_SEEDS// }" ]; then
       rollouts=("$KEEP"/grpo-n8-s* "$KEEP"/pods-n8-m4-s*) updates=("$KEEP"/grpo-n4-s* "$KEEP"/pods-n16-m4-s*)
       plot plateau_equal_rollouts_all_seeds $(evaluated "${rollouts[@]}")
