@@ -247,11 +247,12 @@ def evaluate(path: str, settings: Settings, out: str | None, force: bool, backen
     if use_vllm:
         sampler = make_vllm_sampler(base, tokenizer, prompts, adapters, settings, options)
     else:
-        bf16 = settings.precision == "bfloat16"  # as train.py generates: a bfloat16 copy, the adapter merged in (float32 where
-        sampler = sampling.HFSampler(model, tokenizer, settings.max_new_tokens, settings.temperature,  # the CPU emulates bfloat16)
+        # as train.py generates: a bfloat16 copy, the adapter merged in; float32 where the CPU emulates bfloat16
+        bf16 = settings.precision == "bfloat16"
+        sampler = sampling.HFSampler(model, tokenizer, settings.max_new_tokens, settings.temperature,
                                      autocast_bf16=bf16 and device == "cpu", merged=bf16)
-    log.info("generation backend: %s, %d questions", "vLLM" if use_vllm else "transformers (a bfloat16 copy, adapter merged)"
-             if settings.precision == "bfloat16" else "transformers (float32: this CPU has no bfloat16 arithmetic)", len(prompts))
+    hf = "a bfloat16 copy, adapter merged" if settings.precision == "bfloat16" else sampling.FLOAT32_CPU
+    log.info("generation backend: %s, %d questions", "vLLM" if use_vllm else f"transformers ({hf})", len(prompts))
     try:
         evaluate_targets(todo, model, sampler, adapters, prompts, examples, settings, use_vllm and device == "cuda",
                          base, out_path, done, cache)
@@ -792,11 +793,12 @@ class ReferenceClock:
         costs = self.costs(label, rows)
         if not rows:  # the first step warms up
             return 1 + max(0, int((seconds - self.first[label]) // self.mean_step[label]))
-        if sum(costs) >= seconds:
+        done = sum(costs)
+        if done >= seconds:
             return 0
         recent = costs[1:][-10:]
         cost = float(np.mean(recent)) if recent else self.mean_step[label]
-        return max(1, int((seconds - sum(costs)) // max(cost, 1e-9)))
+        return max(1, int((seconds - done) // max(cost, 1e-9)))
 
     def describe(self) -> list[str]:
         """How well the clock fits, and how well it reproduces the reference runs' own clocks."""

@@ -564,11 +564,14 @@ def vllm_available() -> bool:
     return importlib.util.find_spec("vllm") is not None
 
 
+FLOAT32_CPU = "float32: this CPU has no bfloat16 arithmetic"  # how train.py and eval.py name that case in their logs
+
+
 def computes_bfloat16(device: str) -> bool:
     """Whether `device` multiplies bfloat16 in hardware: a GPU, or a CPU with AVX-512 BF16 or AMX (as
     torch reports them). Elsewhere (an AVX2-only x86 CPU, most laptops; an ARM CPU, which torch's flags do
     not cover) torch emulates bfloat16 matrix products, several times slower than float32 (docs/speed.md:
-    a GRPO step took 335 s instead of 25 s), so the CPU profile and eval.py compute in float32 there."""
+    a GRPO step took 335 s instead of 27 s), so the CPU profile and eval.py compute in float32 there."""
     if device != "cpu":
         return True
     cpu = torch.cpu

@@ -544,7 +544,7 @@ def test_default_command_on_a_cpu_takes_the_built_in_task_without_touching_the_n
     """`python train.py --n 32 --m 16` with no GPU: --dataset auto is the arithmetic task, and no
     connection is attempted (the tiny model stands in for the embedded one through --model). It
     computes in bfloat16 on a CPU with bfloat16 arithmetic (AVX-512 BF16, AMX) and in float32 on one
-    that would emulate it (an AVX2 laptop), where bfloat16 made a step ~10x slower."""
+    that would emulate it (an AVX2 laptop), where bfloat16 made a step ~12x slower."""
     import socket
 
     monkeypatch.setattr(sampling, "computes_bfloat16", lambda device: bf16_cpu or device != "cpu")

@@ -648,7 +648,7 @@ def start_line(args: Args, model_name: str, sampler, out_dir: Path, device: str,
         backend = "vLLM"
     else:
         backend = "transformers" + (" (a bfloat16 copy, LoRA merged)" if getattr(sampler, "merged", False) else " (bfloat16 autocast)" if args.bf16_autocast
-                                    else " (float32: this CPU has no bfloat16 arithmetic)" if device == "cpu" and not sampling.computes_bfloat16(device) else "")
+                                    else f" ({sampling.FLOAT32_CPU})" if device == "cpu" and not sampling.computes_bfloat16(device) else "")
     model = "the embedded SmolLM2-135M-Instruct" if model_name == sampling.EMBEDDED else model_name
     auto = ("; no GPU, so the embedded model and the built-in task (--model / --dataset choose others)"
             if device == "cpu" and args.model == "auto" else "")

@@ -205,8 +205,9 @@ train_by_clock() {  # CLOCK=reference: train.py in chunks of --steps, each resum
 
 run() {  # a run finished here, or kept in docs from another machine (runs/ is not in git), is not redone
   local dir=$OUT/$1 kept=$KEEP/$1; shift
-  if finished "$dir" || { [ ! -d "$dir" ] && finished "$kept"; }; then return; fi
-  if [ "$CLOCK" = reference ] || by_clock "$dir"; then train_by_clock "$dir" "$@"; return; fi  # (begun on the clock: stays on it)
+  if finished "$dir"; then keep_record "$dir"; return; fi  # (kept again: a stop just after its training may have missed it)
+  if [ ! -d "$dir" ] && finished "$kept"; then return; fi
+  if [ "$CLOCK" = reference ] || by_clock "$dir"; then train_by_clock "$dir" "$@"; keep_record "$dir"; return; fi  # (begun on the clock: stays on it)
   if ls "$dir" 2>/dev/null | grep -q checkpoint-; then
     set -- "$@" --resume
   else
@@ -217,16 +218,24 @@ run() {  # a run finished here, or kept in docs from another machine (runs/ is n
     set -m  # in its own process group: a Ctrl-C reaches the runs once, from stop_turns, not also from the terminal
     python docs/take_turns.py "$OUT/turns" train.py $COMMON "$@" --out-dir "$dir" >> "$dir.log" 2>&1 &
     set +m
-    TURN_PIDS+=($!)
+    TURN_PIDS+=($!) TURN_DIRS+=("$dir")
     echo "started $(basename "$dir") (taking turns; its log: $dir.log)"
     sleep 1  # the runs join the rotation in the plan's order
   else
     check_speed "$(basename "$dir")"
     python train.py $COMMON "$@" --out-dir "$dir"
+    keep_record "$dir"
   fi
 }
 
-TURN_PIDS=()
+keep_record() {  # a run whose training ended: its config and metrics into docs/ at once (runs/ is not in git), so a
+  # machine lost before evaluation loses only the checkpoints, which docs/replay_run.py rebuilds from this record
+  local dir=$1 kept=$KEEP/$(basename "$1") file
+  mkdir -p "$kept"
+  for file in config.json metrics.jsonl turns.jsonl; do if [ -f "$dir/$file" ]; then cp "$dir/$file" "$kept/"; fi; done
+}
+
+TURN_PIDS=() TURN_DIRS=()
 stop_turns() {  # Ctrl-C or kill: each run finishes its step, saves a checkpoint and exits (resumable)
   trap - INT TERM
   echo "stopping: each run saves a checkpoint in its turn"
@@ -243,19 +252,12 @@ took_turns() {  # TAKE_TURNS=1: wait for the runs started together to end
   trap - INT TERM
   TURN_PIDS=()
   if [ $failed = 1 ]; then echo "a run taking turns failed: see the end of its log in $OUT/*.log"; exit 1; fi
-  local name; for name in "${RUNS[@]}"; do keep_record "$OUT/$name"; done
-}
-
-keep_record() {  # a run that has finished training: its config and metrics into docs/ at once (runs/ is not in git), so
-  # a machine lost before evaluation loses only the checkpoints, which docs/replay_run.py rebuilds from this record
-  local dir=$1 kept=$KEEP/$(basename "$1") file
-  if ! finished "$dir"; then return; fi
-  mkdir -p "$kept"
-  for file in config.json metrics.jsonl turns.jsonl; do if [ -f "$dir/$file" ]; then cp "$dir/$file" "$kept/"; fi; done
+  local dir; for dir in "${TURN_DIRS[@]}"; do keep_record "$dir"; done
+  TURN_DIRS=()
 }
 
 RUNS=()
-plan() { RUNS+=("$1"); if [[ " $STAGES " == *" train "* ]]; then run "$@"; keep_record "$OUT/$1"; fi; }
+plan() { RUNS+=("$1"); if [[ " $STAGES " == *" train "* ]]; then run "$@"; fi; }
 
 start=$(date +%s)
 if [ "$PLAN" = plateau ]; then
