@@ -567,12 +567,12 @@ def vllm_available() -> bool:
 FLOAT32_CPU = "float32: this CPU has no bfloat16 arithmetic"  # how train.py and eval.py name that case in their logs
 
 
-def computes_bfloat16(device: str) -> bool:
+def computes_bfloat16(device: str | torch.device) -> bool:
     """Whether `device` multiplies bfloat16 in hardware: a GPU, or a CPU with AVX-512 BF16 or AMX (as
     torch reports them). Elsewhere (an AVX2-only x86 CPU, most laptops; an ARM CPU, which torch's flags do
     not cover) torch emulates bfloat16 matrix products, several times slower than float32 (docs/speed.md:
     a GRPO step took 335 s instead of 27 s), so the CPU profile and eval.py compute in float32 there."""
-    if device != "cpu":
+    if torch.device(device).type != "cpu":
         return True
     cpu = torch.cpu
     return any(getattr(cpu, name, lambda: False)() for name in ("_is_avx512_bf16_supported", "_is_amx_tile_supported"))

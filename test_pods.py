@@ -507,6 +507,28 @@ def test_resume_with_other_settings_exits_2_naming_them(tiny_model_dir, tmp_path
     assert "--resume with other settings than" in err and "--m 2 -> 3" in err
 
 
+def test_resume_on_a_cpu_of_the_other_kind_warns_that_the_precision_changes(tiny_model_dir, tmp_path, monkeypatch, caplog):
+    """A run started with the defaults on a CPU with bfloat16 arithmetic and resumed with the defaults on
+    one without (an AVX2 laptop) continues in float32, and says so, naming the flags that keep the run's
+    own precision; resumed with those flags, it says nothing."""
+    monkeypatch.setattr(train.rewards, "reward", length_reward)
+    out = tmp_path / "run"
+    monkeypatch.setattr(sampling, "computes_bfloat16", lambda device: True)
+    assert train.main(tiny_args(tiny_model_dir, out, "--steps", "1")) == 0
+    monkeypatch.setattr(sampling, "computes_bfloat16", lambda device: device != "cpu")
+    assert train.main(tiny_args(tiny_model_dir, out, "--steps", "2", "--resume", "--bf16-autocast", "--merged-sampler")) == 0
+    assert "another precision" not in caplog.text  # (only the warning that bfloat16 is slow here)
+    assert train.main(tiny_args(tiny_model_dir, out, "--steps", "3", "--resume")) == 0
+    warning = [r.getMessage() for r in caplog.records if "another precision" in r.getMessage()]
+    assert len(warning) == 1 and "--bf16-autocast --merged-sampler and continues with --no-bf16-autocast --no-merged-sampler" in warning[0]
+    assert warning[0].endswith("pass --bf16-autocast --merged-sampler to keep the run's own")
+    assert [r["step"] for r in read_metrics(out)] == [1, 2, 3]
+
+
+def test_computes_bfloat16_takes_a_torch_device_as_well_as_its_name():
+    assert sampling.computes_bfloat16(torch.device("cpu")) == sampling.computes_bfloat16("cpu")
+    assert sampling.computes_bfloat16(torch.device("cuda", 0)) and sampling.computes_bfloat16("cuda:0")
+
 def test_kl_penalty_measures_the_distance_from_the_base_model(tiny_model_dir, tmp_path, monkeypatch):
     """--beta > 0: the reference is the model with the adapter off; KL is 0 while the adapter is
     still zero (step 1) and positive once the update has moved it (step 2)."""
@@ -1846,12 +1868,23 @@ def main(args):  # train.py as the reference clock's chunks call it, without tra
                                 "completion_len": 20.0, "truncated_frac": 0.0}) + "\\n")
             if k % every == 0 or k == steps or k == stop_at:
                 os.makedirs(os.path.join(out, f"checkpoint-{k}"), exist_ok=True)
-            if k == stop_at:  # Ctrl-C: train.py saves the finished step, then exits 130
-                return 130
+            if k == stop_at and out.endswith(os.environ.get("STUB_STOP_RUN", "")):  # Ctrl-C (of that run, if named):
+                return 130  # train.py saves the finished step, then exits 130
     return 0
 if __name__ == "__main__":  # eval.py imports train
     sys.exit(main(sys.argv[1:]))
 """
+
+
+def reference_clock_records(root: Path) -> Path:
+    """Seed 0's four kept runs in root's docs/cpu-plateau, the reference clock's machine: a first step of
+    10 s, then 3 s a step (completion_len 20), 40 steps (127 s). Returns docs/cpu-plateau."""
+    keep = root / "docs" / "cpu-plateau"
+    rows = [{"completion_len": 20.0, "truncated_frac": 0.0}] * 40
+    for name, config in (("grpo-n8-s0", {"rule": "none", "n": 8, "m": 8}), ("pods-n8-m4-s0", {"rule": "max_variance", "n": 8, "m": 4}),
+                         ("grpo-n4-s0", {"rule": "none", "n": 4, "m": 4}), ("pods-n16-m4-s0", {"rule": "max_variance", "n": 16, "m": 4})):
+        write_constructed_run(keep / name, {**config, "seed": 0, "time_budget": 1.0}, rows)
+    return keep
 
 
 def test_plateau_plan_on_the_reference_clock_trains_a_new_seed_in_chunks_to_the_budget_and_resumes_after_ctrl_c(tmp_path):
@@ -1863,11 +1896,7 @@ def test_plateau_plan_on_the_reference_clock_trains_a_new_seed_in_chunks_to_the_
     slower-machine-seeds.txt; a finished plan trains nothing more, and a kept seed's missing run is refused."""
     root = project_copy(tmp_path)
     (root / "train.py").write_text(STUB_CLOCK_TRAIN)
-    keep = root / "docs" / "cpu-plateau"
-    rows = [{"completion_len": 20.0, "truncated_frac": 0.0}] * 40  # 10 s, then 3 s a step: 127 s, past the budget
-    for name, config in (("grpo-n8-s0", {"rule": "none", "n": 8, "m": 8}), ("pods-n8-m4-s0", {"rule": "max_variance", "n": 8, "m": 4}),
-                         ("grpo-n4-s0", {"rule": "none", "n": 4, "m": 4}), ("pods-n16-m4-s0", {"rule": "max_variance", "n": 16, "m": 4})):
-        write_constructed_run(keep / name, {**config, "seed": 0, "time_budget": 1.0}, rows)
+    keep = reference_clock_records(root)
     log = tmp_path / "train-calls.txt"
     plan = dict(PLAN="plateau", CLOCK="reference", BUDGET="1", SEEDS="5", ABLATION_SEEDS="", STAGES="train", STUB_LOG=str(log))
     stopped = run_reproduction(root, **plan, STUB_STOP_AT="7")
@@ -1900,6 +1929,51 @@ def test_plateau_plan_on_the_reference_clock_trains_a_new_seed_in_chunks_to_the_
     assert ("CLOCK=reference: seed 0's runs in docs/cpu-plateau (" in refused.stdout
             and "are the reference clock's own runs" in refused.stdout and "maxreward-n8-m4-s0" in refused.stdout)
     assert run_reproduction(root, **{**plan, "CLOCK": "sundial"}).stdout.startswith("CLOCK=sundial: pass CLOCK=wall")
+
+
+STUB_EVAL = """from eval_real import *  # noqa: F401,F403 (the reference clock and the record readers, as the script imports them)
+import json, os, sys
+if __name__ == "__main__":  # evaluating a run's checkpoints: logged, and an evaluation written
+    open(os.environ["STUB_LOG"], "a").write("eval " + " ".join(sys.argv[1:]) + "\\n")
+    open(os.path.join(sys.argv[1], "eval-arith-2.json"), "w").write(json.dumps({"results": []}))
+"""
+
+
+def test_plateau_plan_evaluates_each_run_as_soon_as_it_has_trained_so_a_lost_machine_takes_no_trained_run(tmp_path):
+    """The plan as sessions run it (CLOCK=reference, the default STAGES, train.py and eval.py's
+    evaluation stubbed): each run's checkpoints are evaluated, and the evaluation kept in docs/, before
+    the next run trains. The machine going during seed 5's second run (its train.py stopped) leaves the
+    first run evaluated in docs/; the same command on a fresh machine (runs/ gone) trains the rest, each
+    evaluated once, right after its training, and adds nothing for the first."""
+    root = project_copy(tmp_path)
+    (root / "train.py").write_text(STUB_CLOCK_TRAIN)
+    (root / "eval_real.py").write_text((root / "eval.py").read_text())
+    (root / "eval.py").write_text(STUB_EVAL)
+    keep = reference_clock_records(root)
+    log = tmp_path / "calls.txt"
+    plan = dict(PLAN="plateau", CLOCK="reference", BUDGET="1", SEEDS="5", ABLATION_SEEDS="", STAGES="train eval", STUB_LOG=str(log))
+    lost = run_reproduction(root, **plan, STUB_STOP_AT="7", STUB_STOP_RUN="pods-n8-m4-s5")
+    assert lost.returncode != 0
+    calls = [line.split("--out-dir ")[-1] if "--out-dir" in line else line for line in log.read_text().splitlines()]
+    assert calls[-2:] == ["eval runs/cpu-plateau/grpo-n8-s5 --dataset arith:2 --limit 256 --repeats 1", "runs/cpu-plateau/pods-n8-m4-s5"]
+    assert set(calls[:-2]) == {"runs/cpu-plateau/grpo-n8-s5"}  # its chunks of training
+    assert (keep / "grpo-n8-s5" / "eval-arith-2.json").exists() and not (keep / "pods-n8-m4-s5").exists()
+
+    shutil.rmtree(root / "runs")  # the machine and its checkpoints are gone; docs/ came back with git
+    log.unlink()
+    again = run_reproduction(root, **plan)
+    assert again.returncode == 0, again.stdout + again.stderr
+    calls = log.read_text().splitlines()
+    assert not any("grpo-n8-s5" in c for c in calls)  # trained and evaluated before: nothing more
+    names = [re.search(r"runs/cpu-plateau/(\S+)", c).group(1) for c in calls]
+    evals = [n for c, n in zip(calls, names) if c.startswith("eval ")]
+    assert evals == ["pods-n8-m4-s5", "grpo-n4-s5", "pods-n16-m4-s5"]  # once each
+    for name in evals:  # right after its last chunk of training, before the next run's first
+        trained_at = [i for i, n in enumerate(names) if n == name and not calls[i].startswith("eval ")]
+        evaluated_at = [i for i, n in enumerate(names) if n == name and calls[i].startswith("eval ")]
+        assert evaluated_at == [trained_at[-1] + 1], (name, calls)
+        assert (keep / name / "eval-arith-2.json").exists()
+    assert re.search(r"this invocation: training \d+ min, evaluation \d+ min", again.stdout)
 
 
 def test_seed_speedups_count_never_reaching_as_zero_and_a_baseline_that_never_does_as_inf():

@@ -121,6 +121,7 @@ PROFILES = {
                 gradient_checkpointing=False, bf16_autocast=True, bf16_weights=False, merged_sampler=True),
 }
 BFLOAT16_FLAGS = ("bf16_autocast", "merged_sampler")  # off in the CPU profile where the CPU emulates bfloat16
+PRECISION_FLAGS = (*BFLOAT16_FLAGS, "bf16_weights")  # what --resume warns about when they change
 
 
 def profile(device: str) -> dict:
@@ -555,11 +556,18 @@ def select(scores: torch.Tensor, args: Args, rng: np.random.Generator) -> list[i
 RESUME_MUST_MATCH = ("model", "dataset", "n", "m", "rule", "lora_rank", "lora_alpha", "prompts_per_step", "seed")
 
 
+def flag_text(name: str, on: bool) -> str:
+    """A boolean setting as its command-line flag: flag_text("bf16_autocast", False) == "--no-bf16-autocast"."""
+    return f"--{'' if on else 'no-'}{name.replace('_', '-')}"
+
+
 def check_resume_config(out_dir: Path, args: Args, world_size: int = 1) -> None:
     """--resume continues the same experiment: settings that shape the adapter or the data must not
     change, nor the number of processes. (The prompt order would survive another number: every rank
     draws the same global stream and takes its share. But each rank's random state is saved for its
-    rank, and a rank that did not exist has none, so the run would not continue as it started.)"""
+    rank, and a rank that did not exist has none, so the run would not continue as it started.)
+    A change of precision (PRECISION_FLAGS, e.g. a run moved to a CPU without bfloat16 arithmetic,
+    whose defaults are float32) is allowed, with a warning."""
     path = out_dir / "config.json"
     if not path.exists():
         return
@@ -568,6 +576,12 @@ def check_resume_config(out_dir: Path, args: Args, world_size: int = 1) -> None:
                if k in saved and saved[k] != getattr(args, k)]
     if changed:
         raise UsageError(f"--resume with other settings than {path} ({', '.join(changed)}); pass the run's own values or choose another --out-dir")
+    switched = [k for k in PRECISION_FLAGS if k in saved and saved[k] != getattr(args, k)]
+    if switched:  # allowed (the same experiment), but not silently: e.g. a run moved to a CPU without bfloat16
+        was = " ".join(flag_text(k, saved[k]) for k in switched)
+        now = " ".join(flag_text(k, getattr(args, k)) for k in switched)
+        log.warning("--resume: %s trained with %s and continues with %s (this device's defaults or your flags): "
+                    "the steps from here compute in another precision; pass %s to keep the run's own", out_dir, was, now, was)
     trained_with = saved.get("world_size", 1)
     if trained_with != world_size:
         raise UsageError(f"--resume with {world_size} process(es), but {out_dir} was trained with {trained_with}: "

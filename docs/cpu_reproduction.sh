@@ -7,10 +7,11 @@
 #   1. equal rollouts generated: GRPO on all n=8, PODS max-variance n=8 m=4 and m=2   (seeds 0, 1, 2)
 #   2. rules at n=8 m=2: max-variance (from 1), max-reward, random                    (seeds 0, 1)
 #   3. n at m=4: GRPO n=4, PODS n=8 m=4 (from 1), PODS n=16 m=4                        (seeds 0, 1)
-# Each run's config and metrics are copied to docs/cpu/RUN/ (kept in the repository, a few KB each) as soon
-# as it finishes training; then every checkpoint (one a minute) is evaluated on 256 held-out problems
-# (binomial standard error <= 0.031), the evaluation copied beside them, and the figures and tables are
-# drawn from those copies.
+# As soon as a run finishes training, its config and metrics are copied to docs/cpu/RUN/ (kept in the
+# repository, a few KB each) and every checkpoint of it (one a minute) is evaluated on 256 held-out problems
+# (binomial standard error <= 0.031), the evaluation copied beside them, before the next run trains: a
+# machine lost mid-plan takes no trained run's checkpoints unevaluated. The figures and tables are drawn
+# from those copies.
 #
 #   bash docs/cpu_reproduction.sh                  # everything; BUDGET=3 minutes of training per run
 #   STAGES=report bash docs/cpu_reproduction.sh    # only redraw figures and tables from docs/cpu/
@@ -205,9 +206,9 @@ train_by_clock() {  # CLOCK=reference: train.py in chunks of --steps, each resum
 
 run() {  # a run finished here, or kept in docs from another machine (runs/ is not in git), is not redone
   local dir=$OUT/$1 kept=$KEEP/$1; shift
-  if finished "$dir"; then keep_record "$dir"; return; fi  # (kept again: a stop just after its training may have missed it)
+  if finished "$dir"; then after_training "$dir"; return; fi  # (again: a stop just after its training may have missed it)
   if [ ! -d "$dir" ] && finished "$kept"; then return; fi
-  if [ "$CLOCK" = reference ] || by_clock "$dir"; then train_by_clock "$dir" "$@"; keep_record "$dir"; return; fi  # (begun on the clock: stays on it)
+  if [ "$CLOCK" = reference ] || by_clock "$dir"; then train_by_clock "$dir" "$@"; after_training "$dir"; return; fi  # (begun on the clock: stays on it)
   if ls "$dir" 2>/dev/null | grep -q checkpoint-; then
     set -- "$@" --resume
   else
@@ -224,7 +225,7 @@ run() {  # a run finished here, or kept in docs from another machine (runs/ is n
   else
     check_speed "$(basename "$dir")"
     python train.py $COMMON "$@" --out-dir "$dir"
-    keep_record "$dir"
+    after_training "$dir"
   fi
 }
 
@@ -233,6 +234,12 @@ keep_record() {  # a run whose training ended: its config and metrics into docs/
   local dir=$1 kept=$KEEP/$(basename "$1") file
   mkdir -p "$kept"
   for file in config.json metrics.jsonl turns.jsonl; do if [ -f "$dir/$file" ]; then cp "$dir/$file" "$kept/"; fi; done
+}
+
+after_training() {  # run $1's training ended: its record kept at once, and (STAGES with eval) its checkpoints evaluated
+  # now, not after the whole plan: a session's machine can go before then, and its checkpoints with it
+  keep_record "$1"
+  if [[ " $STAGES " == *" eval "* ]]; then evaluate "$(basename "$1")"; fi
 }
 
 TURN_PIDS=() TURN_DIRS=()
@@ -252,8 +259,26 @@ took_turns() {  # TAKE_TURNS=1: wait for the runs started together to end
   trap - INT TERM
   TURN_PIDS=()
   if [ $failed = 1 ]; then echo "a run taking turns failed: see the end of its log in $OUT/*.log"; exit 1; fi
-  local dir; for dir in "${TURN_DIRS[@]}"; do keep_record "$dir"; done
+  local dir; for dir in "${TURN_DIRS[@]}"; do after_training "$dir"; done
   TURN_DIRS=()
+}
+
+EVALUATED=" " EVAL_S=0
+evaluate() {  # a run still training (run in parts) waits for a later invocation
+  if [[ "$EVALUATED" == *" $1 "* ]]; then return; fi  # (as soon as it trained, in this invocation)
+  local began; began=$(date +%s)
+  if [ ! -d "$OUT/$1" ] && [ -f "$KEEP/$1/eval-arith-2.json" ]; then return; fi  # evaluated on another machine
+  if [ ! -d "$OUT/$1" ] && finished "$KEEP/$1"; then  # trained on another machine, its checkpoints lost: made again
+    rm -rf "$OUT/$1.replay"  # (docs/replay_run.py: the same steps, each checked against the record)
+    python docs/replay_run.py "$KEEP/$1" "$OUT/$1.replay"
+    mv "$OUT/$1.replay" "$OUT/$1"
+  fi
+  if ! finished "$OUT/$1"; then echo "not evaluated yet: $1 has not finished training"; return; fi
+  python eval.py "$OUT/$1" $EVAL
+  mkdir -p "$KEEP/$1"
+  cp "$OUT/$1"/{config.json,metrics.jsonl,eval-arith-2.json} "$KEEP/$1/"
+  if [ -f "$OUT/$1/turns.jsonl" ]; then cp "$OUT/$1/turns.jsonl" "$KEEP/$1/"; fi  # TAKE_TURNS=1: when it computed
+  EVALUATED+="$1 " EVAL_S=$((EVAL_S + $(date +%s) - began))
 }
 
 RUNS=()
@@ -286,22 +311,8 @@ for seed in 0 1 2; do
   fi
 done
 fi
-trained=$(date +%s)
 
-evaluate() {  # a run still training (run in parts) waits for a later invocation
-  if [ ! -d "$OUT/$1" ] && [ -f "$KEEP/$1/eval-arith-2.json" ]; then return; fi  # evaluated on another machine
-  if [ ! -d "$OUT/$1" ] && finished "$KEEP/$1"; then  # trained on another machine, its checkpoints lost: made again
-    rm -rf "$OUT/$1.replay"  # (docs/replay_run.py: the same steps, each checked against the record)
-    python docs/replay_run.py "$KEEP/$1" "$OUT/$1.replay"
-    mv "$OUT/$1.replay" "$OUT/$1"
-  fi
-  if ! finished "$OUT/$1"; then echo "not evaluated yet: $1 has not finished training"; return; fi
-  python eval.py "$OUT/$1" $EVAL
-  mkdir -p "$KEEP/$1"
-  cp "$OUT/$1"/{config.json,metrics.jsonl,eval-arith-2.json} "$KEEP/$1/"
-  if [ -f "$OUT/$1/turns.jsonl" ]; then cp "$OUT/$1/turns.jsonl" "$KEEP/$1/"; fi  # TAKE_TURNS=1: when it computed
-}
-if [[ " $STAGES " == *" eval "* ]]; then  # comparison 1 first, then the others
+if [[ " $STAGES " == *" eval "* ]]; then  # what is left to evaluate: comparison 1 first, then the others
   for name in "${RUNS[@]}"; do case $name in grpo-n8-*|pods-n8-*) evaluate "$name";; esac; done
   for name in "${RUNS[@]}"; do case $name in grpo-n8-*|pods-n8-*) ;; *) evaluate "$name";; esac; done
 fi
@@ -347,7 +358,7 @@ if [[ " $STAGES " == *" report "* ]]; then
   fi
 fi
 if [[ " $STAGES " == *" train "* ]]; then
-  echo "this invocation: training $(( (trained - start) / 60 )) min, evaluation $(( (evaluated - trained) / 60 )) min" | tee -a docs/cpu_time.txt
+  echo "this invocation: training $(( (evaluated - start - EVAL_S) / 60 )) min, evaluation $(( EVAL_S / 60 )) min" | tee -a docs/cpu_time.txt
 fi
 exit
 }
