@@ -136,7 +136,8 @@ def base_model_of(path: Path) -> str:
 
 def evaluate_target(sampler, target: Target, prompts: list[list[int]], examples: list[data.Example], settings: Settings,
                     request_seeds: bool = False) -> dict:
-    """Accuracy (mean and standard error over repeats) and format rate of one target.
+    """Accuracy (mean and standard error over repeats; None for one repeat, which has no spread to
+    measure) and format rate of one target.
 
     Repeat r samples with seed settings.seed + r: torch's generator for transformers, and with
     `request_seeds` (vLLM on a GPU) the request's own seed, so a checkpoint's score does not depend
@@ -152,10 +153,15 @@ def evaluate_target(sampler, target: Target, prompts: list[list[int]], examples:
         formatted = [rewards.is_well_formatted(r.text) for group in groups for r in group]
         accuracies.append(float(np.mean(correct)))
         format_rates.append(float(np.mean(formatted)))
-    se = float(np.std(accuracies, ddof=1) / math.sqrt(len(accuracies))) if len(accuracies) > 1 else 0.0
     return {"checkpoint": target.name, "step": target.step, "elapsed_s": target.elapsed_s,
-            "accuracy": float(np.mean(accuracies)), "accuracy_se": se, "accuracies": accuracies,
+            "accuracy": float(np.mean(accuracies)), "accuracy_se": standard_error(accuracies), "accuracies": accuracies,
             "format_rate": float(np.mean(format_rates))}
+
+
+def standard_error(accuracies: list[float]) -> float | None:
+    """The standard error of the mean over repeats; None for one repeat, which has no spread to measure
+    (0 would claim an exact accuracy)."""
+    return float(np.std(accuracies, ddof=1) / math.sqrt(len(accuracies))) if len(accuracies) > 1 else None
 
 
 def results_name(dataset: str) -> str:
@@ -175,7 +181,9 @@ def load_results(out: Path, settings: Settings, force: bool) -> list[dict]:
 
 def write_results(out: Path, settings: Settings, results: list[dict]) -> None:
     out.parent.mkdir(parents=True, exist_ok=True)
-    results = sorted(results, key=lambda r: r["step"])
+    # (rows stored or cached before one repeat had no standard error said 0.0: every row's is recomputed)
+    results = sorted(({**r, "accuracy_se": standard_error(r["accuracies"])} if "accuracies" in r else r for r in results),
+                     key=lambda r: r["step"])
     out.write_text(json.dumps({"settings": settings.key(), "results": results}, indent=2))
     with open(out.with_suffix(".csv"), "w", newline="") as f:
         writer = csv.writer(f)
@@ -281,8 +289,9 @@ def evaluate_targets(todo: list[Target], model, sampler, adapters: list[Path], p
         if target.adapter is None:
             cache.parent.mkdir(parents=True, exist_ok=True)
             cache.write_text(json.dumps(result))
-        log.info("%s (step %d, %.0f s): accuracy %.3f +- %.3f, format %.3f", target.name, target.step, target.elapsed_s,
-                 result["accuracy"], result["accuracy_se"], result["format_rate"])
+        spread = "(one repeat: no standard error)" if result["accuracy_se"] is None else f"+- {result['accuracy_se']:.3f}"
+        log.info("%s (step %d, %.0f s): accuracy %.3f %s, format %.3f", target.name, target.step, target.elapsed_s,
+                 result["accuracy"], spread, result["format_rate"])
 
 
 def load_target(model, sampler, target: Target) -> None:

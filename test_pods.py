@@ -1845,6 +1845,25 @@ def test_plateau_report_leaves_out_the_seeds_listed_as_run_on_a_slower_machine(t
     assert "baseline GRPO n=8: peak 0.950" in clock and "baseline GRPO n=8: peak 0.950" not in every
 
 
+def test_first_plan_report_draws_the_evaluated_runs_while_a_kept_run_waits_for_its_evaluation(tmp_path):
+    """STAGES=report of the first plan (docs/cpu/), with a run whose records were kept when its training
+    ended but which has no evaluation yet (the machine went first): the figures are drawn from the
+    evaluated runs, the waiting run left out, instead of the figure failing on it."""
+    keep = project_copy(tmp_path) / "docs" / "cpu"
+    rows = [{"completion_len": 20.0, "truncated_frac": 0.0}] * 40
+    for seed in (0, 1):
+        write_constructed_run(keep / f"grpo-n8-s{seed}", {"rule": "none", "n": 8, "m": 8, "seed": seed}, rows,
+                              list(zip((0, 10, 20, 30), [0.1, 0.5, 0.7, 0.95])))
+        write_constructed_run(keep / f"pods-n8-m4-s{seed}", {"rule": "max_variance", "n": 8, "m": 4, "seed": seed}, rows,
+                              list(zip((0, 10, 20, 30), [0.1, 0.95, 0.95, 0.95])))
+    write_constructed_run(keep / "pods-n8-m2-s0", {"rule": "max_variance", "n": 8, "m": 2, "seed": 0}, rows)  # not evaluated
+    done = run_reproduction(tmp_path, STAGES="report")
+    assert done.returncode == 0, done.stderr
+    assert "not drawn yet: docs/cpu_equal_rollouts " not in done.stdout
+    table = (tmp_path / "docs" / "cpu_equal_rollouts.txt").read_text()
+    assert re.search(r"^GRPO n=8 +2 ", table, re.M) and re.search(r"^PODS max_variance n=8 m=4 +2 ", table, re.M)
+    assert "m=2" not in table
+
 STUB_CLOCK_TRAIN = """import json, os, sys
 def main(args):  # train.py as the reference clock's chunks call it, without training: --steps, --resume, checkpoints
     value = lambda flag, default=None: args[args.index(flag) + 1] if flag in args else default  # noqa: E731
@@ -1929,6 +1948,8 @@ def test_plateau_plan_on_the_reference_clock_trains_a_new_seed_in_chunks_to_the_
     assert ("CLOCK=reference: seed 0's runs in docs/cpu-plateau (" in refused.stdout
             and "are the reference clock's own runs" in refused.stdout and "maxreward-n8-m4-s0" in refused.stdout)
     assert run_reproduction(root, **{**plan, "CLOCK": "sundial"}).stdout.startswith("CLOCK=sundial: pass CLOCK=wall")
+    first = run_reproduction(root, **{**plan, "PLAN": "first", "CLOCK": "wall", "TAKE_TURNS": "1"})  # (it would wait forever)
+    assert first.returncode == 1 and first.stdout.startswith("TAKE_TURNS=1 is for PLAN=plateau")
 
 
 STUB_EVAL = """from eval_real import *  # noqa: F401,F403 (the reference clock and the record readers, as the script imports them)
@@ -2864,9 +2885,17 @@ def test_benchmark_runs_for_small_n_and_leaves_out_m_below_2(tiny_model_dir, cap
 def test_eval_with_one_repeat_has_no_standard_error_and_force_evaluates_everything_again(tiny_run, tmp_path, caplog):
     out = tmp_path / "one.json"
     argv = [str(tiny_run), "--dataset", "arith", "--limit", "2", "--repeats", "1", "--max-new-tokens", "3", "--out", str(out)]
-    assert evaluation.main(argv) == 0
+    with caplog.at_level("INFO", logger="pods"):
+        assert evaluation.main(argv) == 0
     rows = json.loads(out.read_text())["results"]
-    assert [len(r["accuracies"]) for r in rows] == [1, 1, 1] and [r["accuracy_se"] for r in rows] == [0.0] * 3
+    # one repeat has no spread to measure: no standard error (not 0, which would claim an exact accuracy)
+    assert [len(r["accuracies"]) for r in rows] == [1, 1, 1] and [r["accuracy_se"] for r in rows] == [None] * 3
+    assert caplog.text.count("(one repeat: no standard error)") == 3 and "+-" not in caplog.text
+    assert [line.split(",")[4] for line in out.with_suffix(".csv").read_text().splitlines()[1:]] == ["", "", ""]
+    stored = json.loads(out.read_text())  # a file from before, whose one-repeat rows said 0.0, missing its last row
+    out.write_text(json.dumps({**stored, "results": [{**r, "accuracy_se": 0.0} for r in stored["results"][:-1]]}))
+    assert evaluation.main(argv) == 0
+    assert [r["accuracy_se"] for r in json.loads(out.read_text())["results"]] == [None] * 3  # not 0.0 beside None
     caplog.clear()
     with caplog.at_level("INFO", logger="pods"):
         assert evaluation.main([*argv, "--force"]) == 0

@@ -10,8 +10,8 @@
 # As soon as a run finishes training, its config and metrics are copied to docs/cpu/RUN/ (kept in the
 # repository, a few KB each) and every checkpoint of it (one a minute) is evaluated on 256 held-out problems
 # (binomial standard error <= 0.031), the evaluation copied beside them, before the next run trains: a
-# machine lost mid-plan takes no trained run's checkpoints unevaluated. The figures and tables are drawn
-# from those copies.
+# machine lost mid-plan takes the checkpoints of at most the run it was training or evaluating (TAKE_TURNS=1:
+# the group; its runs are evaluated after it). The figures and tables are drawn from those copies.
 #
 #   bash docs/cpu_reproduction.sh                  # everything; BUDGET=3 minutes of training per run
 #   STAGES=report bash docs/cpu_reproduction.sh    # only redraw figures and tables from docs/cpu/
@@ -85,6 +85,8 @@ TRAIN="--dataset $TASK --prompts-per-step 4 --max-new-tokens 32 --lr 3e-4 --warm
 COMMON="$TRAIN --steps 1000 --time-budget $BUDGET --save-every-minutes 1 --save-every-steps 0"  # to BUDGET minutes of its own
 if [ "$CLOCK" = reference ]; then  # to BUDGET minutes on the reference clock: train_by_clock
   if [ "$PLAN" != plateau ] || [ "$TAKE_TURNS" = 1 ]; then echo "CLOCK=reference is for PLAN=plateau, one run at a time (not TAKE_TURNS=1)"; exit 1; fi
+elif [ "$TAKE_TURNS" = 1 ] && [ "$PLAN" != plateau ]; then
+  echo "TAKE_TURNS=1 is for PLAN=plateau (the first plan's runs go one at a time)"; exit 1
 elif [ "$CLOCK" != wall ]; then
   echo "CLOCK=$CLOCK: pass CLOCK=wall (each run's own minutes, on seeds 0-3's idle machine) or CLOCK=reference"; exit 1
 fi
@@ -239,6 +241,7 @@ keep_record() {  # a run whose training ended: its config and metrics into docs/
 after_training() {  # run $1's training ended: its record kept at once, and (STAGES with eval) its checkpoints evaluated
   # now, not after the whole plan: a session's machine can go before then, and its checkpoints with it
   keep_record "$1"
+  if [ ${#TURN_PIDS[@]} -gt 0 ]; then return; fi  # (runs taking turns are waiting to start: the final loop evaluates it)
   if [[ " $STAGES " == *" eval "* ]]; then evaluate "$(basename "$1")"; fi
 }
 
@@ -323,12 +326,12 @@ if [[ " $STAGES " == *" report "* ]]; then
   plot() { local name=$1; shift; python eval.py --plot "$@" --dataset $TASK --out "docs/cpu_$name.png" > "docs/cpu_$name.txt.new" \
              && mv "docs/cpu_$name.txt.new" "docs/cpu_$name.txt" && cat "docs/cpu_$name.txt" \
              || { rm -f "docs/cpu_$name.txt.new"; echo "not drawn yet: docs/cpu_$name (see the line above)"; }; }
+  evaluated() { local dir; for dir in "$@"; do [ ! -f "$dir/eval-arith-2.json" ] || echo "$dir"; done; }  # (a run trained, not yet evaluated, waits)
   if [ "$PLAN" = plateau ]; then
     # A wall-clock comparison needs every run on the same idle machine: seeds listed in
     # $KEEP/slower-machine-seeds.txt (their runs marked "slower machine" in the step-cost tables) are
     # left out of the tables and drawn with every seed beside them, in docs/cpu_plateau_*_all_seeds.
     SLOW_SEEDS=$(listed_seeds)
-    evaluated() { local dir; for dir in "$@"; do [ ! -f "$dir/eval-arith-2.json" ] || echo "$dir"; done; }  # (a run trained, not yet evaluated, waits)
     plot plateau_equal_rollouts $(evaluated $(idle "$KEEP"/grpo-n8-s* "$KEEP"/pods-n8-m4-s*))
     plot plateau_equal_updates $(evaluated $(idle "$KEEP"/grpo-n4-s* "$KEEP"/pods-n16-m4-s*))
     plot plateau_n_ablation $(evaluated $(idle "$KEEP"/grpo-n4-s* "$KEEP"/pods-n8-m4-s* "$KEEP"/pods-n16-m4-s*))
@@ -343,8 +346,8 @@ if [[ " $STAGES " == *" report "* ]]; then
       plot plateau_equal_rollouts_reference_clock $(evaluated "${rollouts[@]}") --reference-runs $reference
       plot plateau_equal_updates_reference_clock $(evaluated "${updates[@]}") --reference-runs $reference
       # the check: the unlisted seeds alone on the clock, against their own clocks (the tables above)
-      plot plateau_equal_rollouts_clock_check $(idle "${rollouts[@]}") --reference-runs $reference
-      plot plateau_equal_updates_clock_check $(idle "${updates[@]}") --reference-runs $reference
+      plot plateau_equal_rollouts_clock_check $(evaluated $(idle "${rollouts[@]}")) --reference-runs $reference
+      plot plateau_equal_updates_clock_check $(evaluated $(idle "${updates[@]}")) --reference-runs $reference
       # the seeds that trained the whole budget on the clock: the unlisted ones (the clock's own machine) and those
       # trained with CLOCK=reference, to their shortest run's horizon
       to_budget() { local dir; for dir in "$@"; do if [ -n "$(idle "$dir")" ] || by_clock "$dir"; then echo "$dir"; fi; done; }
@@ -352,9 +355,9 @@ if [[ " $STAGES " == *" report "* ]]; then
       plot plateau_equal_updates_clock_to_budget $(evaluated $(to_budget "${updates[@]}")) --reference-runs $reference
     fi
   else
-  plot equal_rollouts "$KEEP"/grpo-n8-s* "$KEEP"/pods-n8-m4-s* "$KEEP"/pods-n8-m2-s*
-  plot rules "$KEEP"/pods-n8-m2-s[01] "$KEEP"/maxreward-n8-m2-s* "$KEEP"/random-n8-m2-s* --baseline "PODS max_variance n=8 m=2"
-  plot n_ablation "$KEEP"/grpo-n4-s* "$KEEP"/pods-n8-m4-s[01] "$KEEP"/pods-n16-m4-s*
+  plot equal_rollouts $(evaluated "$KEEP"/grpo-n8-s* "$KEEP"/pods-n8-m4-s* "$KEEP"/pods-n8-m2-s*)
+  plot rules $(evaluated "$KEEP"/pods-n8-m2-s[01] "$KEEP"/maxreward-n8-m2-s* "$KEEP"/random-n8-m2-s*) --baseline "PODS max_variance n=8 m=2"
+  plot n_ablation $(evaluated "$KEEP"/grpo-n4-s* "$KEEP"/pods-n8-m4-s[01] "$KEEP"/pods-n16-m4-s*)
   fi
 fi
 if [[ " $STAGES " == *" train "* ]]; then
