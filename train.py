@@ -124,6 +124,11 @@ BFLOAT16_FLAGS = ("bf16_autocast", "merged_sampler")  # off in the CPU profile w
 PRECISION_FLAGS = (*BFLOAT16_FLAGS, "bf16_weights")  # what --resume warns about when they change
 
 
+def flag_text(name: str, on: bool) -> str:
+    """A boolean setting as its command-line flag: flag_text("bf16_autocast", False) == "--no-bf16-autocast"."""
+    return f"--{'' if on else 'no-'}{name.replace('_', '-')}"
+
+
 def profile(device: str) -> dict:
     """The defaults for `device`: PROFILES, with bfloat16 off on a CPU that emulates it (no AVX-512 BF16
     or AMX: float32 is several times faster there; sampling.computes_bfloat16)."""
@@ -160,7 +165,7 @@ def resolve(args: Args, device: str, world_size: int = 1) -> Args:
     """Fill the None fields from the device's profile and check the combination (and that the
     prompts of a step divide among `world_size` processes)."""
     filled = {k: v for k, v in profile(device).items() if getattr(args, k) is None}
-    forced = [f"--{k.replace('_', '-')}" for k in BFLOAT16_FLAGS if getattr(args, k) and not sampling.computes_bfloat16(device)]
+    forced = [flag_text(k, True) for k in BFLOAT16_FLAGS if getattr(args, k) and not sampling.computes_bfloat16(device)]
     if forced:
         log.warning("%s on a CPU that emulates bfloat16 (no AVX-512 BF16 or AMX): steps are several times slower "
                     "than in float32, this CPU's default", " and ".join(forced))
@@ -554,11 +559,6 @@ def select(scores: torch.Tensor, args: Args, rng: np.random.Generator) -> list[i
 
 
 RESUME_MUST_MATCH = ("model", "dataset", "n", "m", "rule", "lora_rank", "lora_alpha", "prompts_per_step", "seed")
-
-
-def flag_text(name: str, on: bool) -> str:
-    """A boolean setting as its command-line flag: flag_text("bf16_autocast", False) == "--no-bf16-autocast"."""
-    return f"--{'' if on else 'no-'}{name.replace('_', '-')}"
 
 
 def check_resume_config(out_dir: Path, args: Args, world_size: int = 1) -> None:
