@@ -154,8 +154,9 @@ def benchmark(args: train.Args, repeats: int = 2) -> list[dict]:
                                batch[0][0], rows_per_step)
         params = sum(p.numel() for p in sampler.model.parameters())
         floor = matmuls_ms(sampler.model, rows_per_step)
+        copy = f" (merged {str(sampler.merged_dtype).removeprefix('torch.')} copy)" if sampler.merged else ""
         print(f"decode step at {rows_per_step} rows ({len(batch[0][0])}-token prompt): {tuned:.0f} ms with the training sampler"
-              f"{' (merged bfloat16 copy)' if sampler.merged else ''}, {plain:.0f} ms sampling the trained model itself; "
+              f"{copy}, {plain:.0f} ms sampling the trained model itself; "
               f"its arithmetic ({2 * params * rows_per_step / 1e9:.1f} GFLOP): the same matrix products alone take "
               f"{floor:.0f} ms, so the step is {tuned / floor:.1f}x its arithmetic")
     return rows

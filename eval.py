@@ -255,11 +255,10 @@ def evaluate(path: str, settings: Settings, out: str | None, force: bool, backen
     if use_vllm:
         sampler = make_vllm_sampler(base, tokenizer, prompts, adapters, settings, options)
     else:
-        # as train.py generates: a bfloat16 copy, the adapter merged in; float32 where the CPU emulates bfloat16
-        bf16 = settings.precision == "bfloat16"
-        sampler = sampling.HFSampler(model, tokenizer, settings.max_new_tokens, settings.temperature,
-                                     autocast_bf16=bf16 and device == "cpu", merged=bf16)
-    hf = "a bfloat16 copy, adapter merged" if settings.precision == "bfloat16" else sampling.FLOAT32_CPU
+        # as train.py generates: a copy with the adapter merged in, bfloat16, or float32 where the CPU emulates bfloat16
+        sampler = sampling.HFSampler(model, tokenizer, settings.max_new_tokens, settings.temperature, merged=True,
+                                     merged_dtype=torch.bfloat16 if settings.precision == "bfloat16" else torch.float32)
+    hf = f"a {settings.precision} copy, adapter merged" + ("" if settings.precision == "bfloat16" else f"; {sampling.FLOAT32_CPU}")
     log.info("generation backend: %s, %d questions", "vLLM" if use_vllm else f"transformers ({hf})", len(prompts))
     try:
         evaluate_targets(todo, model, sampler, adapters, prompts, examples, settings, use_vllm and device == "cuda",

