@@ -150,8 +150,9 @@ class HFSampler:
     - `sample_tokens`: inverse-transform sampling, one random number per row instead of one per
       vocabulary entry.
     A bfloat16 copy's rounding makes the sampled distribution differ slightly from the one the update
-    scores (a float32 copy's, by float32 rounding only); the log-probabilities each rollout carries let train.py measure that gap every step
-    (`sampler_gap_mean`, `sampler_gap_max`). `merged=False` samples from the trained model itself.
+    scores (a float32 copy's by float32 rounding only); the log-probabilities each rollout carries
+    let train.py measure that gap every step (`sampler_gap_mean`, `sampler_gap_max`). `merged=False`
+    samples from the trained model itself.
 
     Each call generates whole groups: `batch_size` sequences, rounded up to a multiple of n. With
     `share_prompt=False` every row prefills its own copy of the prompt (slower, the same tokens)."""

@@ -13,6 +13,7 @@ import math
 import random
 import re
 import shutil
+import types
 from pathlib import Path
 
 import numpy as np
@@ -597,6 +598,8 @@ def test_bfloat16_forced_on_a_cpu_that_emulates_it_is_kept_with_a_warning_and_th
         forced = train.resolve(train.parse_args(["--bf16-autocast"]), "cpu")
     assert forced.bf16_autocast is True and forced.merged_sampler is True and train.merged_dtype(forced) == torch.bfloat16
     assert train.merged_dtype(train.resolve(train.parse_args([]), "cpu")) == torch.float32  # the default there
+    line = train.start_line(forced, "m", types.SimpleNamespace(merged=True, merged_dtype=torch.bfloat16), Path("out"), "cpu")
+    assert "with transformers (a bfloat16 copy, LoRA merged) generation" in line  # it computes bfloat16: not called float32
     assert "--bf16-autocast on a CPU that emulates bfloat16 (no AVX-512 BF16 or AMX): steps are several times slower" in caplog.text
     gpu = train.resolve(train.parse_args([]), "cuda")
     assert (gpu.bf16_autocast, gpu.bf16_weights, gpu.merged_sampler) == (False, True, True)

@@ -671,8 +671,8 @@ def start_line(args: Args, model_name: str, sampler, out_dir: Path, device: str,
     else:
         how = ([f"a {str(sampler.merged_dtype).removeprefix('torch.')} copy, LoRA merged"] if getattr(sampler, "merged", False)
                else ["bfloat16 autocast"] if args.bf16_autocast else [])
-        if device == "cpu" and not sampling.computes_bfloat16(device):
-            how.append(sampling.FLOAT32_CPU)
+        if merged_dtype(args) == torch.float32 and device == "cpu" and not sampling.computes_bfloat16(device):
+            how.append(sampling.FLOAT32_CPU)  # (not when --bf16-autocast forces bfloat16 there)
         backend = "transformers" + (f" ({'; '.join(how)})" if how else "")
     model = "the embedded SmolLM2-135M-Instruct" if model_name == sampling.EMBEDDED else model_name
     auto = ("; no GPU, so the embedded model and the built-in task (--model / --dataset choose others)"
