@@ -67,7 +67,8 @@ def save(out_dir: Path, model, optimizer, scheduler, state: dict, rng: np.random
         tmp = out_dir / f".tmp-{path.name}"
         shutil.rmtree(tmp, ignore_errors=True)
         try:
-            distributed.unwrap(model).save_pretrained(tmp)
+            # save_embedding_layers=False: with "auto", peft asks the model hub about a hub model at every save
+            distributed.unwrap(model).save_pretrained(tmp, save_embedding_layers=False)
             torch.save({"optimizer": optimizer.state_dict(), "scheduler": scheduler.state_dict(), "random_states": random_states},
                        tmp / "training_state.pt")
             (tmp / "trainer_state.json").write_text(json.dumps(state, indent=2))

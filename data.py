@@ -1,7 +1,9 @@
 """Tasks: question/answer pairs from GSM8K, a GSM8K-style .jsonl file, or a built-in generator.
 
-- `gsm8k`: the hub dataset openai/gsm8k (via `datasets`), the paper's task. With no hub (offline
-  variables set, or one quick connection attempt fails) it fails at once with what to pass instead.
+- `gsm8k`: the hub dataset openai/gsm8k (via `datasets`), the paper's task. With no hub (one quick
+  connection attempt fails) it fails at once with what to pass instead; with the offline variables
+  set (HF_HUB_OFFLINE, HF_DATASETS_OFFLINE) `datasets` reads its local cache, and fails the same way
+  without one.
 - a path to a `.jsonl` file with `question` and `answer` per row; the answer is either a GSM8K
   solution ending in "#### N" or a bare number.
 - `arith`: procedurally generated arithmetic word problems with answers computed by the

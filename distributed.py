@@ -118,16 +118,17 @@ def any_rank(flag: bool, world: World) -> bool:
     return bool(value.item())
 
 
-def reduce_row(row: dict, world: World, slowest: tuple[str, ...]) -> dict:
+def reduce_row(row: dict, world: World, maxima: tuple[str, ...]) -> dict:
     """One metrics row for all ranks: the mean over ranks of each number, which is the mean over all
-    rollouts since every rank has as many, except the `slowest` keys (seconds), the max over ranks."""
+    rollouts since every rank has as many, except the `maxima` keys (the seconds of the slowest rank, a
+    largest value), the max over ranks."""
     if not world.launched:
         return row
     keys = [k for k, v in row.items() if isinstance(v, (int, float)) and not isinstance(v, bool)]
     means, maxes = _tensor([row[k] for k in keys]), _tensor([row[k] for k in keys])
     dist.all_reduce(means, op=dist.ReduceOp.SUM)
     dist.all_reduce(maxes, op=dist.ReduceOp.MAX)
-    return row | {k: type(row[k])((maxes[i] if k in slowest else means[i] / world.size).item()) for i, k in enumerate(keys)}
+    return row | {k: type(row[k])((maxes[i] if k in maxima else means[i] / world.size).item()) for i, k in enumerate(keys)}
 
 
 def gather(obj, world: World) -> list:

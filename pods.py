@@ -13,8 +13,8 @@ LLM Reinforcement Learning" (arXiv 2504.13818).
 
 Numpy only; accepts lists, numpy arrays and torch tensors. Every rule returns m distinct
 indices, sorted ascending. Ties are broken deterministically: a stable sort orders equal
-rewards by index, and when several candidates have the same variance the one with the
-smallest k (fewest "high" rollouts) wins.
+rewards by index, and when several candidates have the same variance (to rounding) the one
+with the smallest k (fewest "high" rollouts) wins.
 
 Run `python pods.py` for a demonstration and a timing table against brute-force enumeration.
 """
@@ -96,7 +96,9 @@ def max_variance_downsample(rewards, m: int) -> list[int]:
     sum1 = s1[low] + (s1[n] - s1[high])
     sum2 = s2[low] + (s2[n] - s2[high])
     variance = sum2 / m - (sum1 / m) ** 2
-    best = int(np.argmax(variance))  # first maximum: smallest k
+    # the first maximum (smallest k), counting variances within rounding of it as equal: mirror-image
+    # candidates, e.g. [0, .025, 1.025] and [0, 1, 1.025], tie exactly in reals but not always in floats
+    best = int(np.argmax(variance >= variance.max() - 1e-12 * s2[n] / m))
     chosen = np.concatenate((order[: m - best], order[n - best :]))
     return sorted(chosen.tolist())
 

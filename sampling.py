@@ -154,8 +154,9 @@ class HFSampler:
     let train.py measure that gap every step (`sampler_gap_mean`, `sampler_gap_max`). `merged=False`
     samples from the trained model itself.
 
-    Each call generates whole groups: `batch_size` sequences, rounded up to a multiple of n. With
-    `share_prompt=False` every row prefills its own copy of the prompt (slower, the same tokens)."""
+    Each call generates whole groups: `batch_size` sequences, rounded down to a multiple of n (one group
+    at least). With `share_prompt=False` every row prefills its own copy of the prompt (slower, the
+    same tokens)."""
 
     def __init__(self, model, tokenizer, max_new_tokens: int, temperature: float, batch_size: int = 64,
                  autocast_bf16: bool = False, share_prompt: bool = True, merged: bool = False,

@@ -85,6 +85,9 @@ def test_ties_are_broken_by_index_and_smallest_k():
     assert pods.max_variance_downsample([0.5, 0.5, 0.5, 0.5], 2) == [0, 1]
     assert pods.max_reward_downsample([1, 0, 1, 1], 2) == [0, 2]
     assert pods.max_variance_downsample([0, 1, 0, 1, 0, 1], 2) == [0, 5]
+    # k=1 keeps [0, .025, 1.025], k=2 [0, 1, 1.025]: mirror images, one variance in reals; floats differ
+    assert np.var([0, 0.025, 1.025]) != np.var([0, 1, 1.025])
+    assert pods.max_variance_downsample([0.0, 0.025, 1.0, 1.025], 3) == [0, 1, 3]
 
 
 def test_max_reward_keeps_the_highest():
@@ -508,6 +511,48 @@ def test_resume_with_other_settings_exits_2_naming_them(tiny_model_dir, tmp_path
     assert "--resume with other settings than" in err and "--m 2 -> 3" in err
 
 
+def test_resume_takes_the_commands_learning_rate_and_says_it_changed(tiny_model_dir, tmp_path, monkeypatch, caplog):
+    """A restored optimizer would keep the first run's --lr; the resumed run uses the command's (as the
+    advice after non-finite updates says: lower --lr, then --resume), with the warm-up factor of its
+    step, and warns. The same --lr again: the same value, and no warning."""
+    monkeypatch.setattr(train.rewards, "reward", length_reward)
+    out = tmp_path / "run"
+    warmup = ["--warmup-ratio", "0.5"]  # a warm-up over 2 of 4 steps: factors 0.5, 1, 1, 1
+    assert train.main(tiny_args(tiny_model_dir, out, "--steps", "4", *warmup, "--save-every-steps", "1")) == 0
+    first = [r["lr"] for r in read_metrics(out)]
+    assert first == pytest.approx([5e-3, 1e-2, 1e-2, 1e-2])
+    for step in (3, 4):
+        shutil.rmtree(out / f"checkpoint-{step}")
+    args = tiny_args(tiny_model_dir, out, "--steps", "4", *warmup, "--resume")
+    assert train.main(args) == 0  # the run's own --lr 1e-2: as before
+    assert [r["lr"] for r in read_metrics(out)] == first
+    assert "other optimizer settings" not in caplog.text
+    shutil.rmtree(out / "checkpoint-4")  # (the resumed run saved only at its end)
+    lower = [*args[:args.index("--lr")], "--lr", "1e-3", "--weight-decay", "0.05", *args[args.index("--lr") + 2:]]
+    assert train.main(lower) == 0
+    assert [r["lr"] for r in read_metrics(out)] == pytest.approx([5e-3, 1e-2, 1e-3, 1e-3])
+    warning = [r.getMessage() for r in caplog.records if "other optimizer settings" in r.getMessage()]
+    assert len(warning) == 1 and "--lr 0.01 -> 0.001, --weight-decay 0.1 -> 0.05" in warning[0]
+    saved = torch.load(out / "checkpoint-4" / "training_state.pt", weights_only=False)["optimizer"]["param_groups"][0]
+    assert saved["initial_lr"] == 1e-3 and saved["weight_decay"] == 0.05
+
+
+def test_resume_refuses_a_model_other_than_the_runs(tiny_model_dir, tmp_path, monkeypatch, capsys):
+    """--model auto falls back to the embedded model where the hub is out of reach: a run resumed so would
+    load an adapter that fits only its own model. It stops in one line naming the run's model."""
+    monkeypatch.setattr(train.rewards, "reward", length_reward)
+    out = tmp_path / "run"
+    assert train.main(tiny_args(tiny_model_dir, out, "--steps", "1")) == 0
+    config = json.loads((out / "config.json").read_text())
+    (out / "config.json").write_text(json.dumps(config | {"model_resolved": "Qwen/Qwen2.5-3B-Instruct"}))
+    capsys.readouterr()
+    assert train.main(tiny_args(tiny_model_dir, out, "--steps", "2", "--resume")) == 2
+    err = capsys.readouterr().err.strip()
+    assert err == (f"error: --resume: {out} trained Qwen/Qwen2.5-3B-Instruct, but this command loaded {tiny_model_dir}; "
+                   "pass --model Qwen/Qwen2.5-3B-Instruct")
+    assert [r["step"] for r in read_metrics(out)] == [1]
+
+
 def test_resume_on_a_cpu_of_the_other_kind_warns_that_the_precision_changes(tiny_model_dir, tmp_path, monkeypatch, caplog):
     """A run started with the defaults on a CPU with bfloat16 arithmetic and resumed with the defaults on
     one without (an AVX2 laptop) continues in float32, and says so, naming the flags that keep the run's
@@ -878,12 +923,29 @@ def test_ctrl_c_that_kills_the_generation_engine_saves_the_last_finished_step(ti
         (["--resume", "--dataset", "arith"], "--resume: no checkpoint-STEP directory in"),
         (["--temperature", "0"], "--temperature 0.0 must be > 0"),
         (["--gen-batch", "0"], "--gen-batch 0 must be >= 1"),
+        (["--lr", "-0.0001"], "--lr -0.0001 must be > 0"),
+        (["--adam-beta2", "1"], "--adam-beta2 1.0 must be in [0, 1)"),
+        (["--weight-decay", "-0.1"], "--weight-decay -0.1 must be >= 0"),
+        (["--max-grad-norm", "-0.1"], "--max-grad-norm -0.1 must be > 0"),
+        (["--max-grad-norm", "0"], "--max-grad-norm 0.0 must be > 0"),
+        (["--warmup-ratio", "2"], "--warmup-ratio 2.0 must be in [0, 1]"),
+        (["--clip-eps", "-0.2"], "--clip-eps -0.2 must be >= 0"),
+        (["--clip-eps-high", "-0.1"], "--clip-eps-high -0.1 must be >= 0"),
     ],
 )
 def test_bad_input_exits_2_with_one_line(argv, message, tmp_path, capsys):
     assert train.main([*argv, "--out-dir", str(tmp_path / "run")]) == 2
     err = capsys.readouterr().err.strip()
     assert err.startswith("error: ") and message in err and "\n" not in err
+
+
+@pytest.mark.parametrize("make_path", [lambda tmp: tmp / "a-file", lambda tmp: tmp / "a-file" / "run"])
+def test_an_out_dir_that_cannot_be_a_directory_exits_2_before_the_model_loads(make_path, tmp_path, capsys, monkeypatch):
+    (tmp_path / "a-file").write_text("not a directory")
+    monkeypatch.setattr(train, "load_trainable_policy", lambda *a: pytest.fail("loaded the model first"))
+    assert train.main(["--out-dir", str(make_path(tmp_path)), "--dataset", "arith"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert err.startswith(f"error: --out-dir {make_path(tmp_path)}: cannot make a directory there") and "\n" not in err
 
 
 def test_a_file_with_no_usable_rows_exits_2(tmp_path, capsys):
@@ -1008,12 +1070,15 @@ def test_prompts_per_step_that_do_not_divide_among_the_processes_exit_2_with_one
 
 
 def equal_groups() -> list[sampling.Rollout]:
-    """Four prompts with three completions each, of uneven lengths: two prompts for each of two ranks."""
+    """Four prompts with three completions each, of uneven lengths: two prompts for each of two ranks.
+    Each carries made-up sampler log-probabilities, so that the update reports a sampler gap."""
     rng = random.Random(1)
     rollouts = []
     for prompt_len in (5, 9, 3, 7):
         prompt = [rng.randrange(3, 200) for _ in range(prompt_len)]
-        rollouts += [sampling.Rollout(prompt, [rng.randrange(3, 200) for _ in range(rng.randint(1, 7))], "", False) for _ in range(3)]
+        for _ in range(3):
+            completion = [rng.randrange(3, 200) for _ in range(rng.randint(1, 7))]
+            rollouts.append(sampling.Rollout(prompt, completion, "", False, [rng.uniform(-9, 0) for _ in completion]))
     return rollouts
 
 
@@ -1056,7 +1121,7 @@ def ddp_update_worker(rank: int, model_dir: str, port: int, out: str, beta: floa
     model.register_comm_hook(None, lambda state, bucket: all_reduces.append(1) or allreduce_hook(torch.distributed.group.WORLD, bucket))
     rollouts, advantages = distributed.shard(equal_groups(), world), distributed.shard(EQUAL_GROUP_ADVANTAGES, world)
     stats, weights, grads = update_on(model, rollouts, advantages, tokenizer.pad_token_id, beta)
-    stats = distributed.reduce_row(stats, world, slowest=())
+    stats = distributed.reduce_row(stats, world, maxima=("sampler_gap_max",))
     torch.save({"stats": stats, "weights": weights, "grads": grads, "all_reduces": len(all_reduces),
                 "micro_batches": len(train.micro_batches(rollouts, 2))}, Path(out) / f"rank{rank}.pt")
     distributed.finish(world)
@@ -1091,6 +1156,7 @@ def test_two_processes_with_half_the_prompts_each_make_the_update_of_one_process
         assert rank["stats"]["loss"] == pytest.approx(stats["loss"], abs=1e-6)
         assert rank["stats"]["kl"] == pytest.approx(stats["kl"], abs=1e-6)
         assert rank["stats"]["grad_norm"] == pytest.approx(stats["grad_norm"], rel=1e-5)
+        assert rank["stats"]["sampler_gap_max"] == pytest.approx(stats["sampler_gap_max"], abs=1e-5)  # the max over ranks
     assert all(torch.equal(a, b) for a, b in zip(ranks[0]["weights"], ranks[1]["weights"]))  # the ranks stay identical
 
 
@@ -1103,7 +1169,7 @@ def test_one_process_world_leaves_everything_as_it_is():
     world = distributed.World()
     row = {"loss": 0.5, "generation_s": 2.0, "n": 4}
     assert not world.launched and world.is_main and distributed.world_from_env() == world
-    assert distributed.reduce_row(row, world, slowest=("generation_s",)) is row
+    assert distributed.reduce_row(row, world, maxima=("generation_s",)) is row
     assert distributed.shard([1, 2, 3], world) == [1, 2, 3] and distributed.any_rank(True, world) is True
     model = torch.nn.Linear(2, 2)
     assert distributed.wrap(model, world) is model and distributed.unwrap(model) is model
@@ -2791,8 +2857,8 @@ def add_seconds_to_each_step(monkeypatch, seconds: float) -> None:
     """Each step reports `seconds` more than it took (a slow step), through the row every rank agrees on."""
     original = train.distributed.reduce_row
 
-    def slow(row, world, slowest=()):
-        row = original(row, world, slowest)
+    def slow(row, world, maxima=()):
+        row = original(row, world, maxima)
         return row | {"step_s": row["step_s"] + seconds}
 
     monkeypatch.setattr(train.distributed, "reduce_row", slow)

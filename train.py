@@ -106,7 +106,7 @@ class Args:
     bf16_weights: bool | None = arg(None, "store the frozen base weights in bfloat16 (the LoRA adapter stays float32) [GPU on, CPU off]")
     bf16_autocast: bool | None = arg(None, "bfloat16 autocast for generation and the update [GPU off (the weights are bfloat16 already), CPU on: ~2x faster, "
                                            "where the CPU computes bfloat16 (AVX-512 BF16 or AMX; elsewhere off: emulated bfloat16 is several times slower)]")
-    gen_batch: int = arg(64, "hf backend: sequences per generate call (rounded up to whole groups of n)")
+    gen_batch: int = arg(64, "hf backend: sequences per generate call (rounded down to whole groups of n, one group at least)")
     share_prompt: bool = arg(True, "compute each prompt once per group: one prefill in hf generation, one forward per micro-batch in the update (exact)")
     merged_sampler: bool | None = arg(None, "hf backend: generate with a copy of the policy, its LoRA merged in and refreshed after every "
                                             "update, in bfloat16 with --bf16-autocast or --bf16-weights, else float32 (decode ~2-3x faster "
@@ -190,6 +190,7 @@ def resolve(args: Args, device: str, world_size: int = 1) -> Args:
         raise UsageError(f"--temperature {args.temperature} must be > 0: GRPO samples its rollouts")
     if args.beta < 0:
         raise UsageError(f"--beta {args.beta} must be >= 0")
+    check_optimizer_flags(args)
     if args.tis_cap < 0 or (0 < args.tis_cap < 1):
         raise UsageError(f"--tis-cap {args.tis_cap} must be 0 (off) or >= 1 (a cap below 1 would shrink every token's weight)")
     for name in ("prompts_per_step", "max_new_tokens", "micro_batch", "steps", "lora_rank", "gen_batch", "max_skipped_steps"):
@@ -202,6 +203,26 @@ def resolve(args: Args, device: str, world_size: int = 1) -> Args:
     if args.vllm_sleep and device != "cuda":
         raise UsageError("--vllm-sleep needs a GPU: vLLM has no sleep mode on a CPU (it frees GPU memory for the update)")
     return args
+
+
+def check_optimizer_flags(args: Args) -> None:
+    """The update's numbers, checked before anything loads. Some would not fail at all: clipping to a norm
+    <= 0 scales the gradient by it (a negative norm turns the step into gradient ascent, 0 erases it),
+    and a negative clip range clips every ratio to a constant (rollouts with a positive advantage never learn)."""
+    if args.lr <= 0:
+        raise UsageError(f"--lr {args.lr} must be > 0")
+    for name in ("adam_beta1", "adam_beta2"):
+        if not 0 <= getattr(args, name) < 1:
+            raise UsageError(f"--{name.replace('_', '-')} {getattr(args, name)} must be in [0, 1)")
+    if args.weight_decay < 0:
+        raise UsageError(f"--weight-decay {args.weight_decay} must be >= 0")
+    if args.max_grad_norm <= 0:
+        raise UsageError(f"--max-grad-norm {args.max_grad_norm} must be > 0: the gradient is scaled down to this norm")
+    if not 0 <= args.warmup_ratio <= 1:
+        raise UsageError(f"--warmup-ratio {args.warmup_ratio} must be in [0, 1]: a share of --steps")
+    for name in ("clip_eps", "clip_eps_high"):
+        if getattr(args, name) is not None and getattr(args, name) < 0:
+            raise UsageError(f"--{name.replace('_', '-')} {getattr(args, name)} must be >= 0: the ratio is clipped to [1 - eps, 1 + eps_high]")
 
 
 # ----------------------------------------------------------------------------- model and data
@@ -504,7 +525,7 @@ def policy_update(model, optimizer, scheduler, kept: list[sampling.Rollout], adv
         totals["sampler_gap_mean"], totals["sampler_gap_max"] = gap_sum / gap_tokens, gap_max
     params = [p for p in model.parameters() if p.requires_grad]
     totals["grad_norm"] = float(torch.nn.utils.clip_grad_norm_(params, args.max_grad_norm))
-    totals["lr"] = scheduler.get_last_lr()[0]
+    totals["lr"] = optimizer.param_groups[0]["lr"]  # this step's
     # A non-finite loss or gradient norm is not stepped into the weights: they and the optimizer's state stay
     # as they were. (Under torchrun the norm is that of the all-reduced gradients, so every rank agrees.)
     totals["skipped"] = int(not (math.isfinite(totals["grad_norm"]) and math.isfinite(totals["loss"])))
@@ -566,7 +587,8 @@ def select(scores: torch.Tensor, args: Args, rng: np.random.Generator) -> list[i
 # ----------------------------------------------------------------------------- main loop
 
 
-RESUME_MUST_MATCH = ("model", "dataset", "n", "m", "rule", "lora_rank", "lora_alpha", "prompts_per_step", "seed")
+RESUME_MUST_MATCH = ("model", "dataset", "n", "m", "rule", "lora_rank", "lora_alpha", "prompts_per_step", "max_prompt_tokens", "seed")
+OPTIMIZER_SETTINGS = ("lr", "adam_beta1", "adam_beta2", "weight_decay")  # saved in the optimizer's state; --resume takes the command's
 
 
 def check_resume_config(out_dir: Path, args: Args, world_size: int = 1) -> None:
@@ -575,7 +597,8 @@ def check_resume_config(out_dir: Path, args: Args, world_size: int = 1) -> None:
     draws the same global stream and takes its share. But each rank's random state is saved for its
     rank, and a rank that did not exist has none, so the run would not continue as it started.)
     A change of precision (PRECISION_FLAGS, e.g. a run moved to a CPU without bfloat16 arithmetic,
-    whose defaults are float32) is allowed, with a warning."""
+    whose defaults are float32) or of the optimizer's settings (OPTIMIZER_SETTINGS, e.g. a lower --lr
+    after non-finite updates: take_optimizer_settings) is allowed, with a warning."""
     path = out_dir / "config.json"
     if not path.exists():
         return
@@ -590,10 +613,46 @@ def check_resume_config(out_dir: Path, args: Args, world_size: int = 1) -> None:
         now = " ".join(flag_text(k, getattr(args, k)) for k in switched)
         log.warning("--resume: %s trained with %s and continues with %s (this device's defaults or your flags): "
                     "the steps from here compute in another precision; pass %s to keep the run's own", out_dir, was, now, was)
+    retuned = [f"--{k.replace('_', '-')} {saved[k]} -> {getattr(args, k)}" for k in OPTIMIZER_SETTINGS
+               if k in saved and saved[k] != getattr(args, k)]
+    if retuned:  # allowed (e.g. a lower --lr after non-finite updates), but not silently: a flag left out takes the default
+        log.warning("--resume: %s continues with other optimizer settings (%s); pass the run's own to keep them",
+                    out_dir, ", ".join(retuned))
     trained_with = saved.get("world_size", 1)
     if trained_with != world_size:
         raise UsageError(f"--resume with {world_size} process(es), but {out_dir} was trained with {trained_with}: "
                          f"each rank's random state is saved per rank; launch {trained_with} (torchrun --nproc_per_node) to continue it")
+
+
+def make_out_dir(out_dir: Path) -> None:
+    """--out-dir as a directory this process can write into, made before the model loads, so that a wrong
+    path costs nothing (a file of that name, a parent that is a file, no permission)."""
+    try:
+        out_dir.mkdir(parents=True, exist_ok=True)
+    except OSError as err:  # FileExistsError for a file of that name
+        raise UsageError(f"--out-dir {out_dir}: cannot make a directory there ({err.strerror}); choose another --out-dir") from None
+    if not os.access(out_dir, os.W_OK | os.X_OK):
+        raise UsageError(f"--out-dir {out_dir} is not writable; choose another --out-dir")
+
+
+def check_resumed_model(out_dir: Path, model_name: str) -> None:
+    """--resume with --model auto: the model it loaded is the one the run trained (auto falls back to
+    the embedded model where the hub is out of reach; the run's adapter fits only its own model)."""
+    path = out_dir / "config.json"
+    trained = json.loads(path.read_text()).get("model_resolved") if path.exists() else None
+    if trained and trained != model_name:
+        raise UsageError(f"--resume: {out_dir} trained {trained}, but this command loaded {model_name}; pass --model {trained}")
+
+
+def take_optimizer_settings(optimizer, scheduler, args: Args) -> None:
+    """After --resume: the optimizer takes this command's --lr, --adam-beta1/2 and --weight-decay, as every
+    setting outside RESUME_MUST_MATCH follows the command line. (A restored optimizer and scheduler would
+    keep the first run's, whatever the command said.) The warm-up factor of the step reached applies to the
+    new --lr; check_resume_config has warned if the settings changed."""
+    scheduler.base_lrs = [args.lr for _ in optimizer.param_groups]
+    for group, factor in zip(optimizer.param_groups, scheduler.lr_lambdas):
+        group.update(lr=args.lr * factor(scheduler.last_epoch), initial_lr=args.lr,
+                     betas=(args.adam_beta1, args.adam_beta2), weight_decay=args.weight_decay)
 
 
 def continues(resume: str, out_dir: Path, found: list[Path]) -> bool:
@@ -623,12 +682,15 @@ def train(args: Args, world: distributed.World = distributed.World()) -> Path:
     resuming = continues(args.resume, out_dir, found)
     if resuming:
         check_resume_config(out_dir, args, world.size)
+    make_out_dir(out_dir)
     distributed.start(world)  # torchrun: meet the other ranks (every rank has passed the checks above)
     distributed.barrier(world)  # ... before rank 0 writes anything into out_dir
     torch.manual_seed(args.seed)  # the LoRA initialisation, the same on every rank
 
     examples = data.load_examples(args.dataset, "train", seed=args.seed)
     model, tokenizer, model_name = load_trainable_policy(args, pick_model(args, device), device)
+    if resuming:
+        check_resumed_model(out_dir, model_name)
     prompts = tokenize_examples(examples, tokenizer, args.max_prompt_tokens)
     sampler = make_sampler(args, model, tokenizer, model_name, device, world)
     try:
@@ -641,11 +703,11 @@ def train(args: Args, world: distributed.World = distributed.World()) -> Path:
         scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: min(1.0, (s + 1) / warmup))
 
         state = {"step": 0, "elapsed_s": 0.0, "data_position": 0}
-        out_dir.mkdir(parents=True, exist_ok=True)
         metrics_path = out_dir / "metrics.jsonl"
         if resuming:
             resume_from = distributed.from_main(found[-1], world)  # every rank loads the one rank 0 found
             state = checkpoint.load(resume_from, model, optimizer, scheduler, rng, world)
+            take_optimizer_settings(optimizer, scheduler, args)
             if world.is_main:
                 checkpoint.drop_rows_after(metrics_path, state["step"])
             log.info("resumed from %s: step %d, %.0f s of training", resume_from, state["step"], state["elapsed_s"])
@@ -794,7 +856,7 @@ def train_loop(args, model, tokenizer, optimizer, scheduler, sampler, stream, st
 
                 seconds = {"generation_s": generation_s, "update_s": update_s, "step_s": time.perf_counter() - start}
                 metrics = step_metrics(scores, correct, formatted, rollouts, kept_idx, args.n, args.m) | update
-                metrics = distributed.reduce_row(seconds | metrics, world, slowest=tuple(seconds))  # torchrun: over all ranks
+                metrics = distributed.reduce_row(seconds | metrics, world, maxima=(*seconds, "sampler_gap_max"))  # torchrun: over all ranks
                 state["step"] += 1
                 state["elapsed_s"] += metrics.pop("step_s")  # the slowest rank's, so that all ranks agree on the time budget
                 state["data_position"] = stream.position
