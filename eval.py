@@ -405,7 +405,7 @@ def bootstrap_speedup(base_runs: list[tuple[list[float], list[float]]], other_ru
     draws = np.array([speedup_of_means([base_runs[i] for i in rng.integers(len(base_runs), size=len(base_runs))],
                                        [other_runs[i] for i in rng.integers(len(other_runs), size=len(other_runs))], frac)
                       for _ in range(resamples)])
-    low, high = np.quantile(draws, [(1 - level) / 2, (1 + level) / 2])
+    low, high = np.quantile(draws, [(1 - level) / 2, (1 + level) / 2], method="nearest")  # a draw may be inf
     return {"speedup": speedup_of_means(base_runs, other_runs, frac), "low": float(low), "high": float(high),
             "never": float(np.mean(draws == 0)), "level": level, "resamples": resamples}
 
@@ -488,10 +488,15 @@ def paired_speedup(base_runs: list[tuple[list[float], list[float]]], other_runs:
 
     A seed whose runs all ran on a machine k times slower has every time scaled by k and its ratio
     unchanged, where the seed-mean curves of speedup_of_means mix fast and slow seeds minute by minute.
-    The median takes a seed that never reaches the target (0) or whose baseline never does (inf) as it
-    comes; a seed where neither does is left out (nan)."""
+    Each seed's two runs are read up to the shorter one's end, so that a ratio compares times both
+    were observed for (a slower machine scales that end too). The median takes a seed that never
+    reaches the target (0) or whose baseline never does (inf) as it comes; a seed where neither does
+    is left out (nan)."""
     if len(base_runs) != len(other_runs):
         raise EvalError(f"a speed-up seed by seed needs the same seeds in both settings ({len(base_runs)} against {len(other_runs)} runs)")
+    ends = [min(base[0][-1], other[0][-1]) for base, other in zip(base_runs, other_runs)]  # each pair: its shorter run's end
+    base_runs = [run_up_to(run, end) for run, end in zip(base_runs, ends)]
+    other_runs = [run_up_to(run, end) for run, end in zip(other_runs, ends)]
 
     def ratios_of(indices) -> np.ndarray:  # the seeds drawn, their target from their own baseline mean curve
         base = [base_runs[i] for i in indices]
@@ -593,6 +598,21 @@ def group_curves(run_dirs: list[Path], dataset: str | None, clock: ReferenceCloc
             {label: [seeds[label][i] for i in order[label]] for label in groups})
 
 
+def run_up_to(run: tuple[list[float], list[float]], end: float) -> tuple[list[float], list[float]]:
+    """A run's curve up to `end` seconds: its evaluations before it, and its accuracy at `end` (its
+    evaluation there, or interpolated between the two around it)."""
+    times, accuracies = run
+    before = [i for i, t in enumerate(times) if t < end]
+    return [times[i] for i in before] + [end], [accuracies[i] for i in before] + [float(np.interp(end, times, accuracies))]
+
+
+def up_to(groups: dict[str, list[tuple[list[float], list[float]]]], end: float) -> dict[str, list[tuple[list[float], list[float]]]]:
+    """Every run up to `end` seconds (run_up_to). plot reads the seed-mean statistics in one window, the
+    shortest run's, so that no setting's peak, target or first time is read where another setting was
+    never observed: in the estimate and in every bootstrap resample alike."""
+    return {label: [run_up_to(run, end) for run in runs] for label, runs in groups.items()}
+
+
 def mean_curve(runs: list[tuple[list[float], list[float]]]) -> tuple[list[float], list[float], list[float]]:
     """Seeds of one setting on a common time grid (linear interpolation, up to the shortest run):
     (times, mean accuracy, standard error)."""
@@ -617,7 +637,7 @@ def common_minutes(groups: dict[str, list[tuple[list[float], list[float]]]]) -> 
 
 
 def accuracy_by_minute(groups: dict[str, list[tuple[list[float], list[float]]]]) -> list[str]:
-    """Each setting's accuracy at every whole minute that all its runs reached (each run's curve
+    """Each setting's accuracy at every whole minute that all runs of every setting reached (each run's curve
     interpolated there, then the mean and standard error over its seeds), and the peak of the mean curve."""
     minutes = range(common_minutes(groups) + 1)
     lines = [f"{'run':<36}{'seeds':>6}" + "".join(f"{f'{k} min':>16}" for k in minutes) + f"{'peak':>8}"]
@@ -679,7 +699,7 @@ def learning_onsets(run_dirs: list[Path], threshold: float = 0.5, window: int = 
         if not rows or not {"accuracy", "truncated_frac"} <= rows[0].keys():
             continue
         accuracy, truncated = (trailing_mean([r[key] for r in rows], window) for key in ("accuracy", "truncated_frac"))
-        onset = next((i for i, a in enumerate(accuracy) if a >= threshold), None)
+        onset = next((i for i, a in enumerate(accuracy) if i >= window - 1 and a >= threshold), None)  # a whole window
         tenth = max(1, len(rows) // 10)
         start, end = (float(np.mean([r["truncated_frac"] for r in part])) for part in (rows[:window], rows[-tenth:]))
         at_onset = "-" if onset is None else f"{truncated[onset]:.2f}"
@@ -690,7 +710,8 @@ def learning_onsets(run_dirs: list[Path], threshold: float = 0.5, window: int = 
 
 
 def step_seconds(row: dict) -> float:
-    """A step's generation + update seconds (train.py's elapsed_s sums them)."""
+    """A step's generation + update seconds (train.py's elapsed_s sums whole steps: these, and the
+    scoring and selection between them)."""
     return row["generation_s"] + row["update_s"]
 
 
@@ -796,8 +817,8 @@ class ReferenceClock:
         """How many more steps a run of setting `label` with these metrics.jsonl rows (none: not started)
         should train to reach `seconds` on the clock, 0 when it has. The time left is divided by the clock's
         cost of the run's last 10 steps (the reference mean after a first step, before it has any) and rounded
-        down, but at least 1: trained in chunks of it (train.py --steps N --resume), a run ends less than one step past
-        `seconds`, in a few chunks."""
+        down, but at least 1: trained in chunks of it (train.py --steps N --resume), a run ends about a step past
+        `seconds` (less, unless its later steps cost more than its last 10), in a few chunks."""
         costs = self.costs(label, rows)
         if not rows:  # the first step warms up
             return 1 + max(0, int((seconds - self.first[label]) // self.mean_step[label]))
@@ -868,7 +889,9 @@ def plot(run_dirs: list[Path], out: Path, dataset: str | None, baseline: str | N
     import matplotlib.pyplot as plt
 
     clock = ReferenceClock(reference) if reference else None
-    groups, seeds_by_label = group_curves(run_dirs, dataset, clock)
+    whole, seeds_by_label = group_curves(run_dirs, dataset, clock)
+    horizon = min(t[-1] for runs in whole.values() for t, _ in runs)
+    groups = up_to(whole, horizon)  # one window for the seed-mean readings below
     curves = {label: mean_curve(runs) for label, runs in groups.items()}
     if len(curves) < 2:
         raise EvalError(f"nothing to compare: all runs are {next(iter(curves))}; pass runs of at least two settings")
@@ -896,9 +919,10 @@ def plot(run_dirs: list[Path], out: Path, dataset: str | None, baseline: str | N
     fig.savefig(out, dpi=120)
     plt.close(fig)
 
-    lines = ([] if clock is None else clock.describe() + [
-                 f"every time below is on the reference clock, up to its shortest run: {common_minutes(groups)} whole minutes "
-                 "(the step-cost and learning-onset tables: each run's own clock)", ""])
+    lines = ([] if clock is None else clock.describe()) + [
+        f"every run is read up to the shortest run's end, {horizon / 60:.1f} min" + ("" if clock is None else " on the reference clock")
+        + " (seed by seed: each seed's two runs up to the shorter one's end)"
+        + ("" if clock is None else "; every time below is on the reference clock (the step-cost and learning-onset tables: each run's own)"), ""]
     lines += [f"baseline {baseline}: peak {peak:.3f}, target {frac:g} x peak = {frac * peak:.3f}, "
              f"first reached at {t_base / 60:.1f} min",
              f"{'run':<36}{'time to target':>24}{'speed-up':>10}"]
@@ -915,7 +939,7 @@ def plot(run_dirs: list[Path], out: Path, dataset: str | None, baseline: str | N
     lines.append(f"{baseline}'s seed mean, least-squares line over minutes {first}-{last}: {trend:+.3f} "
                  f"(points scatter {spread:.3f} around it)")
     costs, onsets = step_costs(run_dirs), learning_onsets(run_dirs)
-    paired = paired_speedup_by_target(groups, seeds_by_label, baseline)
+    paired = paired_speedup_by_target(whole, seeds_by_label, baseline)  # (each pair cut to its own shorter run)
     return "\n".join(lines + ["", "test accuracy (mean +- standard error over seeds)", *accuracy_by_minute(groups)]
                      + ["", *seed_statistics(groups, seeds_by_label, baseline, frac)]
                      + ["", *speedup_by_target(groups, baseline)]

@@ -1336,8 +1336,8 @@ def fake_run(root: Path, name: str, rule: str, n: int, m: int, curve: list[tuple
 
 def test_plot_writes_a_png_and_prints_the_speedup_table(tmp_path, capsys):
     grpo_run = fake_run(tmp_path, "grpo", "none", 8, 8, [(0, 0.2), (120, 0.4), (240, 0.6)])
-    pods_run = fake_run(tmp_path, "pods", "max_variance", 16, 8, [(0, 0.2), (60, 0.5), (120, 0.65)])
-    never = fake_run(tmp_path, "rand", "random", 16, 8, [(0, 0.2), (60, 0.3), (120, 0.35)])
+    pods_run = fake_run(tmp_path, "pods", "max_variance", 16, 8, [(0, 0.2), (60, 0.5), (120, 0.65), (240, 0.66)])
+    never = fake_run(tmp_path, "rand", "random", 16, 8, [(0, 0.2), (60, 0.3), (120, 0.35), (240, 0.36)])
     (pods_run / "metrics.jsonl").write_text("".join(json.dumps({"step": s, "elapsed_s": 30.0 * s, "generation_s": 20.0,
                                                                  "update_s": 10.0}) + "\n" for s in (1, 2, 3, 4)))
     png = tmp_path / "fig.png"
@@ -1436,6 +1436,44 @@ def test_plot_prints_speedup_intervals_and_paired_differences_for_runs_with_the_
     assert "+0.100 [+0.00, +0.20]" in row  # 1 min: mean of +0.1, +0.2, 0.0; resampled means span 0.0 to 0.2
     # seed by seed at 0.99 x GRPO's peak (0.5): GRPO seed 1 never reaches 0.495, PODS does at 1 min
     assert "  seeds at 0.99 x peak: 0: 1.00x  1: baseline never  2: 1.00x" in out.splitlines()
+
+
+def test_up_to_ends_every_run_at_one_time_interpolating_where_a_run_went_on():
+    groups = {"a": [([0, 60, 180], [0.1, 0.4, 0.7]), ([0, 120], [0.2, 0.6])], "b": [([0, 90], [0.0, 0.9])]}
+    assert evaluation.up_to(groups, 90) == {"a": [([0, 60, 90], [0.1, 0.4, 0.475]), ([0, 90], [0.2, 0.5])],
+                                             "b": [([0, 90], [0.0, 0.9])]}
+
+
+def test_plot_reads_every_setting_up_to_the_shortest_run_so_a_peak_after_it_sets_no_target(tmp_path, capsys):
+    """GRPO's seeds rise to 0.9 at 10 minutes; one PODS seed ended at 5. Read up to 5 minutes, GRPO's
+    peak is 0.6 (target 0.594, reached at 5 min) and PODS reaches it at 1 min: 5x. (Before, GRPO's
+    target came from its own 10 minutes, where PODS's mean curve was never observed: "never reached".)"""
+    runs = []
+    for seed in (0, 1):
+        runs.append(fake_run(tmp_path, f"grpo-s{seed}", "none", 8, 8, [(0, 0.1), (60, 0.3), (180, 0.5), (300, 0.6), (600, 0.9)], seed=seed))
+        pods = [(0, 0.1), (60, 0.6), (120, 0.62), (300, 0.65)] + ([(600, 0.7)] if seed else [])
+        runs.append(fake_run(tmp_path, f"pods-s{seed}", "max_variance", 8, 4, pods, seed=seed))
+    assert evaluation.main(["--plot", *map(str, runs), "--out", str(tmp_path / "f.png")]) == 0
+    lines = capsys.readouterr().out.splitlines()
+    assert lines[0] == "every run is read up to the shortest run's end, 5.0 min (seed by seed: each seed's two runs up to the shorter one's end)"
+    assert "baseline GRPO n=8: peak 0.600, target 0.99 x peak = 0.594, first reached at 5.0 min" in lines
+    assert next(line for line in lines if line.startswith("PODS max_variance n=8 m=4")).split()[-3:] == ["1.0", "min", "5.00x"]
+
+
+def test_paired_speedup_reads_each_seed_pair_up_to_its_shorter_run():
+    """GRPO's run went on to 2 minutes, PODS's (same seed) stopped at 1: read to 1 minute, GRPO's peak is
+    0.5 (target 0.495), which both reach at 1 minute: 1x, not PODS "never" reaching 0.99 x 0.9."""
+    base, other = ([0, 60, 120], [0.1, 0.5, 0.9]), ([0, 60], [0.1, 0.95])
+    assert evaluation.paired_speedup([base], [other], resamples=10)["seeds"] == [1.0]
+
+
+def test_a_learning_onset_needs_a_whole_window_of_steps(tmp_path):
+    run = tmp_path / "run"
+    run.mkdir()
+    (run / "metrics.jsonl").write_text("".join(json.dumps({"step": i + 1, "elapsed_s": 60.0 * (i + 1), "accuracy": a, "truncated_frac": 0.0}) + "\n"
+                                               for i, a in enumerate([0.9, 0.0, 0.0, 0.6, 0.6, 0.6])))
+    # one lucky first step is not an onset: the mean over 3 steps first reaches 0.5 at step 6
+    assert evaluation.learning_onsets([run])[1].split()[:2] == ["run", "6.0"]
 
 
 def project_copy(root: Path) -> Path:
@@ -2409,15 +2447,15 @@ def test_speedup_a_spike_more_than_1_percent_above_the_rest_still_decides_at_0_9
 
 def test_plot_prints_the_target_beside_the_times_and_the_speedup_for_each_target_frac(tmp_path, capsys):
     grpo_run = fake_run(tmp_path, "grpo", "none", 8, 8, [(0, 0.2), (60, 0.7), (120, 0.795), (180, 0.80), (240, 0.78)])
-    pods_run = fake_run(tmp_path, "pods", "max_variance", 16, 8, [(0, 0.2), (60, 0.795), (120, 0.81)])
+    pods_run = fake_run(tmp_path, "pods", "max_variance", 16, 8, [(0, 0.2), (60, 0.795), (120, 0.81), (240, 0.81)])
     argv = ["--plot", str(grpo_run), str(pods_run), "--out", str(tmp_path / "f.png")]
     assert evaluation.main(argv) == 0
-    lines = capsys.readouterr().out.splitlines()
+    lines = capsys.readouterr().out.splitlines()[2:]  # after "every run is read up to ..." and a blank line
     assert lines[:3] == ["baseline GRPO n=8: peak 0.800, target 0.99 x peak = 0.792, first reached at 2.0 min",
                          f"{'run':<36}{'time to target':>24}{'speed-up':>10}",
                          f"{'PODS max_variance n=16 m=8':<36}{'1.0 min':>24}{'2.00x':>10}"]
     assert evaluation.main([*argv, "--target-frac", "1"]) == 0
-    lines = capsys.readouterr().out.splitlines()
+    lines = capsys.readouterr().out.splitlines()[2:]
     assert lines[0] == "baseline GRPO n=8: peak 0.800, target 1 x peak = 0.800, first reached at 3.0 min"
     assert lines[2] == f"{'PODS max_variance n=16 m=8':<36}{'2.0 min':>24}{'1.50x':>10}"
 
