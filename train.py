@@ -603,18 +603,23 @@ def check_resume_config(out_dir: Path, args: Args, world_size: int = 1) -> None:
     if not path.exists():
         return
     saved = json.loads(path.read_text())
-    changed = [f"--{k.replace('_', '-')} {saved[k]} -> {getattr(args, k)}" for k in RESUME_MUST_MATCH
-               if k in saved and saved[k] != getattr(args, k)]
+
+    def differing(names: tuple[str, ...]) -> list[str]:  # those of `names` the run saved with another value
+        return [k for k in names if k in saved and saved[k] != getattr(args, k)]
+
+    def change(name: str) -> str:
+        return f"--{name.replace('_', '-')} {saved[name]} -> {getattr(args, name)}"
+
+    changed = [change(k) for k in differing(RESUME_MUST_MATCH)]
     if changed:
         raise UsageError(f"--resume with other settings than {path} ({', '.join(changed)}); pass the run's own values or choose another --out-dir")
-    switched = [k for k in PRECISION_FLAGS if k in saved and saved[k] != getattr(args, k)]
+    switched = differing(PRECISION_FLAGS)
     if switched:  # allowed (the same experiment), but not silently: e.g. a run moved to a CPU without bfloat16
         was = " ".join(flag_text(k, saved[k]) for k in switched)
         now = " ".join(flag_text(k, getattr(args, k)) for k in switched)
         log.warning("--resume: %s trained with %s and continues with %s (this device's defaults or your flags): "
                     "the steps from here compute in another precision; pass %s to keep the run's own", out_dir, was, now, was)
-    retuned = [f"--{k.replace('_', '-')} {saved[k]} -> {getattr(args, k)}" for k in OPTIMIZER_SETTINGS
-               if k in saved and saved[k] != getattr(args, k)]
+    retuned = [change(k) for k in differing(OPTIMIZER_SETTINGS)]
     if retuned:  # allowed (e.g. a lower --lr after non-finite updates), but not silently: a flag left out takes the default
         log.warning("--resume: %s continues with other optimizer settings (%s); pass the run's own to keep them",
                     out_dir, ", ".join(retuned))
