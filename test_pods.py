@@ -711,11 +711,12 @@ def test_micro_batches_keep_prompt_groups_together_and_split_only_large_ones():
     assert train.prompt_groups(kept(2, 1, 3)) == [[0, 1], [2], [3, 4, 5]]
 
 
-def lora_policy(model_dir: Path, seed: int = 0):
-    """The tiny model with a LoRA adapter whose B matrices are non-zero, so the adapter matters."""
+def lora_policy(model_dir: Path, seed: int = 0, device: str = "cpu", dtype: torch.dtype = torch.float32):
+    """The tiny model with a LoRA adapter whose B matrices are non-zero, so the adapter matters (base
+    weights in `dtype` on `device`; train.py's LoRA stays float32, the same values whatever the dtype)."""
     from peft import LoraConfig
 
-    model, tokenizer = sampling.load_policy(str(model_dir), "cpu", torch.float32)
+    model, tokenizer = sampling.load_policy(str(model_dir), device, dtype)
     torch.manual_seed(seed)  # LoRA's A matrices are drawn from the global generator
     model = train.add_lora(model, LoraConfig(r=4, lora_alpha=8, target_modules=train.LORA_TARGETS, task_type="CAUSAL_LM"))
     generator = torch.Generator().manual_seed(seed)
@@ -724,6 +725,15 @@ def lora_policy(model_dir: Path, seed: int = 0):
             if "lora_B" in name:
                 param.copy_(torch.randn(param.shape, generator=generator) * 0.1)
     return model, tokenizer
+
+
+def update_at_lr_0(model, rollouts, advantages, args: train.Args, pad_id: int):
+    """One policy_update that leaves the weights as they are (lr 0): its stats, and the LoRA parameters
+    holding the accumulated gradients."""
+    params = [p for p in model.parameters() if p.requires_grad]
+    optimizer = torch.optim.AdamW(params, lr=0.0, weight_decay=0.0)
+    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: 1.0)
+    return train.policy_update(model, optimizer, scheduler, rollouts, advantages, args, pad_id), params
 
 
 def mixed_length_groups() -> list[sampling.Rollout]:
@@ -768,11 +778,8 @@ def test_shared_prompt_update_gives_the_same_lora_gradients(tiny_model_dir, chec
     results = []
     for share in (False, True):
         model, tokenizer = checkpointed_lora_policy(tiny_model_dir, checkpointing)
-        params = [p for p in model.parameters() if p.requires_grad]
-        optimizer = torch.optim.AdamW(params, lr=0.0, weight_decay=0.0)  # lr 0: the gradients are the result
-        scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: 1.0)
         args = train.Args(micro_batch=4, beta=beta, share_prompt=share, bf16_autocast=False, max_grad_norm=1e9)
-        stats = train.policy_update(model, optimizer, scheduler, rollouts, advantages, args, tokenizer.pad_token_id)
+        stats, params = update_at_lr_0(model, rollouts, advantages, args, tokenizer.pad_token_id)  # the gradients are the result
         results.append((stats, [p.grad.clone() for p in params]))
     (unshared, unshared_grads), (shared, shared_grads) = results
     assert shared["loss"] == pytest.approx(unshared["loss"], abs=1e-6)
@@ -851,11 +858,8 @@ def test_sampler_logprobs_match_the_update_within_a_measured_bound(tiny_model_di
     torch.manual_seed(0)
     rollouts = [r for group in sampler.generate([[5, 6, 7, 8], [9, 10]], 4) for r in group]
     assert all(r.logprobs is not None and len(r.logprobs) == len(r.completion_ids) for r in rollouts)
-    params = [p for p in model.parameters() if p.requires_grad]
-    optimizer = torch.optim.AdamW(params, lr=0.0)
-    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: 1.0)
     args = train.Args(micro_batch=8, bf16_autocast=merged == torch.bfloat16, max_grad_norm=1e9)
-    stats = train.policy_update(model, optimizer, scheduler, rollouts, torch.randn(len(rollouts)), args, tokenizer.pad_token_id)
+    stats, _ = update_at_lr_0(model, rollouts, torch.randn(len(rollouts)), args, tokenizer.pad_token_id)
     if merged == torch.bfloat16:  # measured on this tiny model: mean 0.0012, max 0.007 (the embedded model: benchmark.py prints it)
         assert 0 < stats["sampler_gap_mean"] < 0.005 and stats["sampler_gap_max"] < 0.05
     else:  # measured: max 2e-6, the trained model and the float32 copy alike
@@ -1122,9 +1126,9 @@ def update_on(model, rollouts, advantages, pad_id, beta: float = 0.0):
     return stats, [p.detach().clone() for p in params], [p.grad.clone() for p in params]
 
 
-def checkpointed_lora_policy(model_dir: Path, checkpointing: bool):
+def checkpointed_lora_policy(model_dir: Path, checkpointing: bool, device: str = "cpu", dtype: torch.dtype = torch.float32):
     """lora_policy, with activation checkpointing switched on by train.py's own call."""
-    model, tokenizer = lora_policy(model_dir)
+    model, tokenizer = lora_policy(model_dir, device=device, dtype=dtype)
     if checkpointing:
         train.enable_activation_checkpointing(model)
         assert train.is_checkpointing(model)
@@ -2725,35 +2729,13 @@ def on_cuda(test):
     return pytest.mark.cuda(pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")(test))
 
 
-def cuda_lora_policy(model_dir: Path, dtype: torch.dtype, checkpointing: bool):
-    """lora_policy on the GPU with base weights in `dtype` (train.py's LoRA stays float32), the same
-    adapter values whatever the dtype."""
-    from peft import LoraConfig
-
-    model, tokenizer = sampling.load_policy(str(model_dir), "cuda", dtype)
-    torch.manual_seed(0)
-    model = train.add_lora(model, LoraConfig(r=4, lora_alpha=8, target_modules=train.LORA_TARGETS, task_type="CAUSAL_LM"))
-    generator = torch.Generator().manual_seed(0)
-    with torch.no_grad():
-        for name, param in model.named_parameters():
-            if "lora_B" in name:
-                param.copy_(torch.randn(param.shape, generator=generator).to(param.device) * 0.1)
-    if checkpointing:
-        train.enable_activation_checkpointing(model)
-        assert train.is_checkpointing(model)
-    model.train()
-    return model, tokenizer
-
-
 def lora_gradients(model, tokenizer, rollouts, advantages, share: bool) -> torch.Tensor:
-    """policy_update's accumulated LoRA gradients (lr 0), flattened, in float32, on the CPU."""
-    params = [p for p in model.parameters() if p.requires_grad]
-    optimizer = torch.optim.AdamW(params, lr=0.0, weight_decay=0.0)
-    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: 1.0)
+    """update_at_lr_0's accumulated LoRA gradients, flattened, in float32, on the CPU (cleared after)."""
     args = train.Args(micro_batch=4, share_prompt=share, bf16_autocast=False, max_grad_norm=1e9)
-    train.policy_update(model, optimizer, scheduler, rollouts, advantages.to(params[0].device), args, tokenizer.pad_token_id)
+    _, params = update_at_lr_0(model, rollouts, advantages.to(next(model.parameters()).device), args, tokenizer.pad_token_id)
     grads = torch.cat([p.grad.float().flatten().cpu() for p in params])
-    optimizer.zero_grad(set_to_none=True)
+    for p in params:
+        p.grad = None
     return grads
 
 
@@ -2766,10 +2748,12 @@ def test_cuda_shared_prompt_logprobs_and_gradients_in_bfloat16_stay_within_bfloa
     the same model in float32: sharing may not add more than bfloat16 itself costs."""
     rollouts = mixed_length_groups()
     advantages = torch.tensor([1.0, -0.5, -0.5, 0.7, -0.7, 0.3, -1.0, 0.2, 0.5])
-    exact, tokenizer = cuda_lora_policy(tiny_model_dir, torch.float32, checkpointing)
+    exact, tokenizer = checkpointed_lora_policy(tiny_model_dir, checkpointing, "cuda", torch.float32)
+    exact.train()
     truth, mask = train.completion_logprobs(exact, rollouts, 0.9, tokenizer.pad_token_id)
     truth_grads = lora_gradients(exact, tokenizer, rollouts, advantages, share=False)
-    model, _ = cuda_lora_policy(tiny_model_dir, torch.bfloat16, checkpointing)
+    model, _ = checkpointed_lora_policy(tiny_model_dir, checkpointing, "cuda", torch.bfloat16)
+    model.train()
     unshared, unshared_mask = train.completion_logprobs(model, rollouts, 0.9, tokenizer.pad_token_id)
     shared, shared_mask = train.shared_prompt_logprobs(model, rollouts, 0.9, tokenizer.pad_token_id)
     assert torch.equal(mask, unshared_mask) and torch.equal(mask, shared_mask)
@@ -2787,17 +2771,14 @@ def test_cuda_shared_prompt_logprobs_and_gradients_in_bfloat16_stay_within_bfloa
 def test_cuda_merged_bfloat16_sampler_matches_the_update_within_bfloat16_rounding(tiny_model_dir):
     """The GPU profile's generation (a merged bfloat16 copy of the policy) against what its update
     scores (bfloat16 base weights, float32 LoRA, no autocast): sampler_gap_mean / _max on CUDA."""
-    model, tokenizer = cuda_lora_policy(tiny_model_dir, torch.bfloat16, checkpointing=True)
+    model, tokenizer = checkpointed_lora_policy(tiny_model_dir, True, "cuda", torch.bfloat16)
+    model.train()
     sampler = sampling.HFSampler(model, tokenizer, max_new_tokens=12, temperature=0.9, merged=True, merged_dtype=torch.bfloat16)
     assert all(p.device.type == "cuda" and p.dtype == torch.bfloat16 for p in sampler.model.parameters())
     torch.manual_seed(0)
     rollouts = [r for group in sampler.generate([[5, 6, 7, 8], [9, 10]], 4) for r in group]
-    params = [p for p in model.parameters() if p.requires_grad]
-    optimizer = torch.optim.AdamW(params, lr=0.0)
-    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: 1.0)
     args = train.Args(micro_batch=8, bf16_autocast=False, max_grad_norm=1e9)
-    stats = train.policy_update(model, optimizer, scheduler, rollouts, torch.randn(len(rollouts), device="cuda"), args,
-                                tokenizer.pad_token_id)
+    stats, _ = update_at_lr_0(model, rollouts, torch.randn(len(rollouts), device="cuda"), args, tokenizer.pad_token_id)
     print(f"\ncuda sampler gap: mean {stats['sampler_gap_mean']:.2e}, max {stats['sampler_gap_max']:.2e}")
     assert 0 < stats["sampler_gap_mean"] < 0.005 and stats["sampler_gap_max"] < 0.05
 

@@ -681,8 +681,10 @@ def continues(resume: str, out_dir: Path, found: list[Path]) -> bool:
 def check_gpus_per_node(device: str, world: distributed.World) -> None:
     """Under torchrun on GPUs each rank takes the GPU numbered by its LOCAL_RANK: refuse more processes on
     a machine than it has GPUs (every rank raises, rank 0 says it) instead of CUDA's 'invalid device ordinal'."""
+    if device != "cuda" or not world.launched:
+        return
     gpus, per_node = torch.cuda.device_count(), int(os.environ.get("LOCAL_WORLD_SIZE", 1))
-    if device == "cuda" and world.launched and per_node > gpus:
+    if per_node > gpus:
         raise UsageError(f"torchrun started {per_node} processes on this machine but it has {gpus} GPU(s): "
                          f"run one process per GPU (--nproc_per_node {gpus})")
 
