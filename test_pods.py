@@ -1958,7 +1958,9 @@ def test_plateau_report_leaves_out_the_seeds_listed_as_run_on_a_slower_machine(t
     tables hold seeds 0-1, the *_all_seeds tables all three, its runs marked, and the *_reference_clock
     tables all three timed as seeds 0-1's machine would; seed 3, listed and trained but not evaluated, waits.
     Seed 4, listed, trained on the reference clock (CLOCK=reference: no time budget) on a machine 1.5x as
-    slow, joins seeds 0-1 in the *_clock_to_budget tables, which leave out seed 2's wall-clock runs."""
+    slow, joins seeds 0-1 in the *_clock_to_budget tables, which leave out seed 2's wall-clock runs. Seed 5,
+    on the clock too, has its GRPO run evaluated and its PODS run only trained (the session ended during its
+    evaluation): it waits in every table, which stay paired seed by seed."""
     keep = project_copy(tmp_path) / "docs" / "cpu-plateau"
     rows = [{"completion_len": 20.0, "truncated_frac": 0.0}] * 40  # 10 s, then 3 s a step (x 2 at seed 2)
     for seed, speed in ((0, 1.0), (1, 1.0), (2, 2.0), (4, 1.5)):
@@ -1970,8 +1972,12 @@ def test_plateau_report_leaves_out_the_seeds_listed_as_run_on_a_slower_machine(t
         (keep / name).mkdir()
         shutil.copy(keep / name.replace("s3", "s2") / "config.json", keep / name)
         shutil.copy(keep / name.replace("s3", "s2") / "metrics.jsonl", keep / name)
+    for name, config in (("grpo-n8-s5", {"rule": "none", "n": 8, "m": 8}), ("pods-n8-m4-s5", {"rule": "max_variance", "n": 8, "m": 4})):
+        curve = [0.1, 0.2, 0.3, 0.4] if name.startswith("grpo") else None  # PODS's run: trained, not evaluated
+        write_constructed_run(keep / name, {**config, "seed": 5, "time_budget": 0.0, "steps": 40}, rows,
+                              None if curve is None else list(zip((0, 10, 20, 30), curve)))
     (keep / "slower-machine-seeds.txt").write_text("# seed  why\n2       constructed: twice as slow\n3       constructed\n"
-                                                   "4       constructed: on the reference clock\n")
+                                                   "4       constructed: on the reference clock\n5       constructed: on the clock\n")
     done = run_reproduction(tmp_path, PLAN="plateau", STAGES="report")
     assert done.returncode == 0, done.stderr
     idle, every, clock, to_budget = ((tmp_path / "docs" / f"cpu_plateau_equal_rollouts{kind}.txt").read_text()
@@ -1985,6 +1991,7 @@ def test_plateau_report_leaves_out_the_seeds_listed_as_run_on_a_slower_machine(t
     assert "seeds at 0.99 x peak: 0: 2.62x  1: 2.62x  2: 2.62x  4: 2.62x" in every
     assert "(4 runs; " in clock  # the reference: seeds 0-1's four runs
     assert "baseline GRPO n=8: peak 0.950" in clock and "baseline GRPO n=8: peak 0.950" not in every
+    assert not any("-s5" in table for table in (idle, every, clock, to_budget))
 
 
 def test_first_plan_report_draws_the_evaluated_runs_while_a_kept_run_waits_for_its_evaluation(tmp_path):

@@ -327,32 +327,41 @@ if [[ " $STAGES " == *" report "* ]]; then
              && mv "docs/cpu_$name.txt.new" "docs/cpu_$name.txt" && cat "docs/cpu_$name.txt" \
              || { rm -f "docs/cpu_$name.txt.new"; echo "not drawn yet: docs/cpu_$name (see the line above)"; }; }
   evaluated() { local dir; for dir in "$@"; do [ ! -f "$dir/eval-arith-2.json" ] || echo "$dir"; done; }  # (a run trained, not yet evaluated, waits)
+  paired() {  # of a comparison's runs ($1: its two methods), those whose seed has a run of both, so the comparison
+    # stays paired seed by seed: a seed whose other run is still training or waiting for its evaluation waits too
+    local methods=$1 dir method whole; shift
+    for dir in "$@"; do
+      whole=1; for method in $methods; do [[ " $* " == *"/$method-s${dir##*-s} "* ]] || whole=0; done
+      [ $whole = 0 ] || echo "$dir"
+    done
+  }
   if [ "$PLAN" = plateau ]; then
     # A wall-clock comparison needs every run on the same idle machine: seeds listed in
     # $KEEP/slower-machine-seeds.txt (their runs marked "slower machine" in the step-cost tables) are
     # left out of the tables and drawn with every seed beside them, in docs/cpu_plateau_*_all_seeds.
     SLOW_SEEDS=$(listed_seeds)
-    plot plateau_equal_rollouts $(evaluated $(idle "$KEEP"/grpo-n8-s* "$KEEP"/pods-n8-m4-s*))
-    plot plateau_equal_updates $(evaluated $(idle "$KEEP"/grpo-n4-s* "$KEEP"/pods-n16-m4-s*))
+    ROLLOUTS="grpo-n8 pods-n8-m4" UPDATES="grpo-n4 pods-n16-m4"  # the two comparisons' methods
+    plot plateau_equal_rollouts $(paired "$ROLLOUTS" $(evaluated $(idle "$KEEP"/grpo-n8-s* "$KEEP"/pods-n8-m4-s*)))
+    plot plateau_equal_updates $(paired "$UPDATES" $(evaluated $(idle "$KEEP"/grpo-n4-s* "$KEEP"/pods-n16-m4-s*)))
     plot plateau_n_ablation $(evaluated $(idle "$KEEP"/grpo-n4-s* "$KEEP"/pods-n8-m4-s* "$KEEP"/pods-n16-m4-s*))
     plot plateau_rules $(evaluated $(idle "$KEEP"/pods-n8-m4-s[01] "$KEEP"/maxreward-n8-m4-s* "$KEEP"/random-n8-m4-s*)) --baseline "PODS max_variance n=8 m=4"
     if [ -n "${SLOW_SEEDS// }" ]; then
       rollouts=("$KEEP"/grpo-n8-s* "$KEEP"/pods-n8-m4-s*) updates=("$KEEP"/grpo-n4-s* "$KEEP"/pods-n16-m4-s*)
-      plot plateau_equal_rollouts_all_seeds $(evaluated "${rollouts[@]}")
-      plot plateau_equal_updates_all_seeds $(evaluated "${updates[@]}")
+      plot plateau_equal_rollouts_all_seeds $(paired "$ROLLOUTS" $(evaluated "${rollouts[@]}"))
+      plot plateau_equal_updates_all_seeds $(paired "$UPDATES" $(evaluated "${updates[@]}"))
       # Every evaluated seed on the reference clock (eval.py --reference-runs): each step timed as the
       # unlisted seeds' machine took such a step, so runs from machines of other speeds compare
       reference=$(reference_runs)
-      plot plateau_equal_rollouts_reference_clock $(evaluated "${rollouts[@]}") --reference-runs $reference
-      plot plateau_equal_updates_reference_clock $(evaluated "${updates[@]}") --reference-runs $reference
+      plot plateau_equal_rollouts_reference_clock $(paired "$ROLLOUTS" $(evaluated "${rollouts[@]}")) --reference-runs $reference
+      plot plateau_equal_updates_reference_clock $(paired "$UPDATES" $(evaluated "${updates[@]}")) --reference-runs $reference
       # the check: the unlisted seeds alone on the clock, against their own clocks (the tables above)
-      plot plateau_equal_rollouts_clock_check $(evaluated $(idle "${rollouts[@]}")) --reference-runs $reference
-      plot plateau_equal_updates_clock_check $(evaluated $(idle "${updates[@]}")) --reference-runs $reference
+      plot plateau_equal_rollouts_clock_check $(paired "$ROLLOUTS" $(evaluated $(idle "${rollouts[@]}"))) --reference-runs $reference
+      plot plateau_equal_updates_clock_check $(paired "$UPDATES" $(evaluated $(idle "${updates[@]}"))) --reference-runs $reference
       # the seeds that trained the whole budget on the clock: the unlisted ones (the clock's own machine) and those
       # trained with CLOCK=reference, to their shortest run's horizon
       to_budget() { local dir; for dir in "$@"; do if [ -n "$(idle "$dir")" ] || by_clock "$dir"; then echo "$dir"; fi; done; }
-      plot plateau_equal_rollouts_clock_to_budget $(evaluated $(to_budget "${rollouts[@]}")) --reference-runs $reference
-      plot plateau_equal_updates_clock_to_budget $(evaluated $(to_budget "${updates[@]}")) --reference-runs $reference
+      plot plateau_equal_rollouts_clock_to_budget $(paired "$ROLLOUTS" $(evaluated $(to_budget "${rollouts[@]}"))) --reference-runs $reference
+      plot plateau_equal_updates_clock_to_budget $(paired "$UPDATES" $(evaluated $(to_budget "${updates[@]}"))) --reference-runs $reference
     fi
   else
   plot equal_rollouts $(evaluated "$KEEP"/grpo-n8-s* "$KEEP"/pods-n8-m4-s* "$KEEP"/pods-n8-m2-s*)
