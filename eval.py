@@ -491,7 +491,8 @@ def paired_speedup(base_runs: list[tuple[list[float], list[float]]], other_runs:
     Each seed's two runs are read up to the shorter one's end, so that a ratio compares times both
     were observed for (a slower machine scales that end too). The median takes a seed that never
     reaches the target (0) or whose baseline never does (inf) as it comes; a seed where neither does
-    is left out (nan)."""
+    is left out (nan). With an even number of seeds it is np.median's mean of the middle two (inf if
+    one of them is)."""
     if len(base_runs) != len(other_runs):
         raise EvalError(f"a speed-up seed by seed needs the same seeds in both settings ({len(base_runs)} against {len(other_runs)} runs)")
     ends = [min(base[0][-1], other[0][-1]) for base, other in zip(base_runs, other_runs)]  # each pair: its shorter run's end
