@@ -421,13 +421,17 @@ import train  # noqa: E402
 
 
 @pytest.fixture(autouse=True)
-def cpu_unless_marked_cuda(request, monkeypatch):
+def cpu_unless_marked_cuda(request):
     """The suite describes the CPU run; the tests marked cuda describe the GPU run. On a GPU machine
     every other test sees no GPU, in this process and in those it starts (torchrun, the scripts), so it
-    checks there what it checks on a CPU (first run on an H100: 17 such tests had taken the GPU)."""
-    if request.node.get_closest_marker("cuda") is None:
-        monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
-        monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "")
+    checks there what it checks on a CPU (first run on an H100: 17 such tests had taken the GPU). Its
+    own MonkeyPatch, not the test's: a test that calls monkeypatch.undo() must not get the GPU back
+    halfway (on an H200, a Ctrl-C test's resume did, and met the GPU profile's --lora-alpha)."""
+    with pytest.MonkeyPatch.context() as patch:
+        if request.node.get_closest_marker("cuda") is None:
+            patch.setattr(torch.cuda, "is_available", lambda: False)
+            patch.setenv("CUDA_VISIBLE_DEVICES", "")
+        yield
 
 
 @pytest.fixture(scope="session")
