@@ -791,13 +791,23 @@ class ReferenceClock:
     def features(row: dict) -> list[float]:
         return [1.0, row["completion_len"], row["truncated_frac"]]
 
+    def setting(self, label: str) -> str:
+        """The reference setting that times a run of `label`: its own, or, for another selection rule at the
+        same n and m (the rules ablation), max-variance's. A rule changes which m of the n rollouts are
+        updated, not how many, so a step does the same work; how long its completions are, which the rules
+        do change, is in the features."""
+        same_work = label.replace(label.split(" ")[1], "max_variance", 1) if label.startswith("PODS ") else label
+        for setting in (label, same_work):
+            if setting in self.line:
+                return setting
+        raise EvalError(f"no reference runs of {label} (the reference runs are {', '.join(self.line)}): pass some to --reference-runs")
+
     def costs(self, label: str, rows: list[dict]) -> list[float]:
         """Seconds of each of a run's steps (rows from step 1) on the reference clock."""
-        if label not in self.line:
-            raise EvalError(f"no reference runs of {label} (the reference runs are {', '.join(self.line)}): pass some to --reference-runs")
+        setting = self.setting(label)
         if [r["step"] for r in rows] != list(range(1, len(rows) + 1)):
             raise EvalError("its metrics.jsonl rows do not hold every step from 1 on, so the reference clock cannot time them")
-        return ([self.first[label]] + [float(self.line[label] @ self.features(r)) for r in rows[1:]]) if rows else []
+        return ([self.first[setting]] + [float(self.line[setting] @ self.features(r)) for r in rows[1:]]) if rows else []
 
     def elapsed(self, label: str, rows: list[dict]) -> list[float]:
         """Seconds of training on the reference clock at the end of each of a run's steps (rows from step 1)."""
@@ -820,14 +830,14 @@ class ReferenceClock:
         cost of the run's last 10 steps (the reference mean after a first step, before it has any) and rounded
         down, but at least 1: trained in chunks of it (train.py --steps N --resume), a run ends about a step past
         `seconds` (less, unless its later steps cost more than its last 10), in a few chunks."""
-        costs = self.costs(label, rows)
+        costs, setting = self.costs(label, rows), self.setting(label)
         if not rows:  # the first step warms up
-            return 1 + max(0, int((seconds - self.first[label]) // self.mean_step[label]))
+            return 1 + max(0, int((seconds - self.first[setting]) // self.mean_step[setting]))
         done = sum(costs)
         if done >= seconds:
             return 0
         recent = costs[1:][-10:]
-        cost = float(np.mean(recent)) if recent else self.mean_step[label]
+        cost = float(np.mean(recent)) if recent else self.mean_step[setting]
         return max(1, int((seconds - done) // max(cost, 1e-9)))
 
     def describe(self) -> list[str]:

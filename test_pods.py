@@ -1922,8 +1922,33 @@ def test_reference_clock_recovers_the_step_cost_line_and_times_a_run_from_a_slow
     write_constructed_run(pods, {"rule": "max_variance", "n": 8, "m": 4, "seed": 0}, steps(5))
     with pytest.raises(evaluation.EvalError, match="no reference runs of PODS max_variance n=8 m=4"):
         clock.at_steps(pods, "PODS max_variance n=8 m=4", [5])
+    with pytest.raises(evaluation.EvalError, match="no reference runs of PODS random n=8 m=4"):
+        clock.at_steps(pods, "PODS random n=8 m=4", [5])
     with pytest.raises(evaluation.EvalError, match="past its metrics.jsonl's last"):
         clock.at_steps(tmp_path / "slow", "GRPO n=8", [21])
+
+
+def test_reference_clock_times_the_other_rules_with_max_variances_line_at_the_same_n_and_m(tmp_path):
+    """The rules ablation on the clock: max-reward and random keep m of n as max-variance does, so a step
+    of theirs costs what max-variance's line gives for its completions; a setting of another n or m is
+    not stood in for, and GRPO's is its own."""
+    rng = random.Random(1)
+    def steps(count):
+        return [{"completion_len": rng.uniform(5, 32), "truncated_frac": rng.choice([0.0, 0.5])} for _ in range(count)]
+    write_constructed_run(tmp_path / "mv", {"rule": "max_variance", "n": 8, "m": 4, "seed": 0}, steps(30))
+    write_constructed_run(tmp_path / "grpo", {"rule": "none", "n": 8, "m": 8, "seed": 0}, steps(30), speed=3.0)
+    clock = evaluation.ReferenceClock([tmp_path / "mv", tmp_path / "grpo"])
+    ablation_rows = steps(12)
+    write_constructed_run(tmp_path / "mr", {"rule": "max_reward", "n": 8, "m": 4, "seed": 9}, ablation_rows, speed=2.0)
+    expected = np.cumsum([10.0] + [1 + 0.1 * r["completion_len"] + 2 * r["truncated_frac"] for r in ablation_rows[1:]])
+    for rule in ("max_reward", "random", "max_variance"):
+        assert clock.setting(f"PODS {rule} n=8 m=4") == "PODS max_variance n=8 m=4"
+        assert clock.at_steps(tmp_path / "mr", f"PODS {rule} n=8 m=4", [0, 12]) == pytest.approx([0.0, expected[-1]])
+    assert clock.setting("GRPO n=8") == "GRPO n=8"
+    assert clock.steps_left("PODS random n=8 m=4", [], 10.0 + 2.5 * clock.mean_step["PODS max_variance n=8 m=4"]) == 3
+    for label in ("PODS max_reward n=8 m=2", "PODS random n=16 m=4", "GRPO n=4"):
+        with pytest.raises(evaluation.EvalError, match=f"no reference runs of {label} "):
+            clock.setting(label)
 
 
 def test_plot_on_the_reference_clock_gives_a_slow_machines_seed_the_speed_up_of_the_idle_ones(tmp_path, capsys):

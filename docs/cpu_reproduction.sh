@@ -45,6 +45,9 @@
 # and the run's seed is listed in slower-machine-seeds.txt, so the wall-clock tables leave it out and the
 # *_clock_to_budget tables take it. Ctrl-C, then the same command continues. For new seeds:
 #   PLAN=plateau CLOCK=reference SEEDS=9 ABLATION_SEEDS= bash docs/cpu_reproduction.sh
+# and the rules ablation for seeds trained so (max-reward and random timed with max-variance's line at the same
+# n and m; drawn against max-variance at the same seeds in docs/cpu_plateau_rules_clock_to_budget):
+#   PLAN=plateau CLOCK=reference SEEDS= ABLATION_SEEDS="9 10" bash docs/cpu_reproduction.sh
 #
 # Before each training run the script repeats the first 6 steps of seed REF_SEED (default 0) of the run's setting (the same
 # n and m; ~1 minute) and stops (exit 1) if they take more than 1.25x as long as in its record: the
@@ -122,7 +125,7 @@ for flag, kind in (("--rule", str), ("--n", int), ("--m", int)):
     parser.add_argument(flag, type=kind)
 config = eval.run_config(run) or vars(parser.parse_known_args(args)[0])
 label, clock = eval.label_of(config), eval.ReferenceClock(reference)
-print(clock.steps_left(label, eval.read_metrics(Path(run)), float(budget) * 60), max(1, round(60 / clock.mean_step[label])))
+print(clock.steps_left(label, eval.read_metrics(Path(run)), float(budget) * 60), max(1, round(60 / clock.mean_step[clock.setting(label)])))
 EOF
 }
 
@@ -362,6 +365,11 @@ if [[ " $STAGES " == *" report "* ]]; then
       to_budget() { local dir; for dir in "$@"; do if [ -n "$(idle "$dir")" ] || by_clock "$dir"; then echo "$dir"; fi; done; }
       plot plateau_equal_rollouts_clock_to_budget $(paired "$ROLLOUTS" $(evaluated $(to_budget "${rollouts[@]}"))) --reference-runs $reference
       plot plateau_equal_updates_clock_to_budget $(paired "$UPDATES" $(evaluated $(to_budget "${updates[@]}"))) --reference-runs $reference
+      # the rules ablation of the seeds that trained the budget on the clock (ABLATION_SEEDS with CLOCK=reference; the
+      # clock times max-reward and random with max-variance's line), against max-variance at the same seeds
+      ablation=$(evaluated $(to_budget "$KEEP"/maxreward-n8-m4-s* "$KEEP"/random-n8-m4-s*))
+      plot plateau_rules_clock_to_budget $(evaluated $(for dir in $ablation; do echo "$KEEP/pods-n8-m4-s${dir##*-s}"; done | sort -u)) \
+        $ablation --reference-runs $reference --baseline "PODS max_variance n=8 m=4"
     fi
   else
   plot equal_rollouts $(evaluated "$KEEP"/grpo-n8-s* "$KEEP"/pods-n8-m4-s* "$KEEP"/pods-n8-m2-s*)
