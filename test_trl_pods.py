@@ -18,11 +18,9 @@ os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
 import pytest
 import torch
 
-import data
 import eval as evaluation  # eval.py; `eval` is a builtin name
 import grpo
 import pods
-import rewards
 import sampling
 import test_pods
 import train
@@ -49,25 +47,8 @@ def trl_pods():
     return trl_pods
 
 
-def arith_dataset(count: int):
-    """The arithmetic task's first training problems as TRL conversational prompts, with the train.py prompt."""
-    from datasets import Dataset
-
-    examples = data.load_examples("arith", "train")[:count]
-    return Dataset.from_dict({
-        "prompt": [[{"role": "system", "content": sampling.SYSTEM_PROMPT}, {"role": "user", "content": e.question}]
-                   for e in examples],
-        "answer": [e.answer for e in examples],
-    })
-
-
 def text(completion) -> str:
     return completion[-1]["content"] if isinstance(completion, list) else completion
-
-
-def task_reward(completions, answer, **kwargs) -> list[float]:
-    """The project's reward (correctness plus format) in TRL's reward-function signature."""
-    return [rewards.reward(text(c), a) for c, a in zip(completions, answer)]
 
 
 def length_reward(completions, **kwargs) -> list[float]:
@@ -91,7 +72,7 @@ def grpo_config(out_dir, **overrides):
     return GRPOConfig(output_dir=str(out_dir), **(settings | overrides))
 
 
-def make_trainer(trl_pods, model_dir, out_dir, m=M, reward_funcs=(task_reward, length_reward), varied_lengths=False,
+def make_trainer(trl_pods, model_dir, out_dir, m=M, reward_funcs=None, varied_lengths=False,
                  rule="max_variance", **config):
     from peft import LoraConfig
     from transformers import AutoModelForCausalLM, AutoTokenizer
@@ -104,8 +85,8 @@ def make_trainer(trl_pods, model_dir, out_dir, m=M, reward_funcs=(task_reward, l
     # init_lora_weights=False: both LoRA factors random, so both get a non-zero gradient to compare
     lora = LoraConfig(r=4, lora_alpha=8, lora_dropout=0.0, target_modules=train.LORA_TARGETS, task_type="CAUSAL_LM",
                       init_lora_weights=False)
-    return trl_pods.PODSGRPOTrainer(model=model, reward_funcs=list(reward_funcs), args=grpo_config(out_dir, **config),
-                                    train_dataset=arith_dataset(16), processing_class=AutoTokenizer.from_pretrained(model_dir),
+    return trl_pods.PODSGRPOTrainer(model=model, reward_funcs=list(reward_funcs or (trl_pods.task_reward, length_reward)), args=grpo_config(out_dir, **config),
+                                    train_dataset=trl_pods.task_dataset("arith", count=16), processing_class=AutoTokenizer.from_pretrained(model_dir),
                                     peft_config=lora, m=m, rule=rule)
 
 
@@ -171,7 +152,7 @@ def test_check_trl_fails_with_one_line_naming_the_tested_version(trl_pods):
 
 def test_a_bad_setting_fails_before_the_model_loads(trl_pods, tmp_path):
     with pytest.raises(ValueError, match="^m=1 must be between 2"):  # not the hub error an unknown model would give
-        trl_pods.PODSGRPOTrainer(model=str(tmp_path / "no-such-model"), reward_funcs=[task_reward], args=grpo_config(tmp_path), m=1)
+        trl_pods.PODSGRPOTrainer(model=str(tmp_path / "no-such-model"), reward_funcs=[trl_pods.task_reward], args=grpo_config(tmp_path), m=1)
 
 
 def test_the_random_rule_draws_the_same_rows_after_a_resume(trl_pods, tiny_model_dir, tmp_path, monkeypatch):
@@ -199,7 +180,7 @@ def test_one_batch_keeps_m_rows_per_prompt_with_kept_advantages_and_grpo_loss_gr
     task_calls, length_calls = [], []
 
     def recorded_task(completions, answer, **kwargs):
-        task_calls.append(task_reward(completions, answer))
+        task_calls.append(trl_pods.task_reward(completions, answer))
         return task_calls[-1]
 
     def recorded_length(completions, **kwargs):
@@ -328,7 +309,7 @@ records = []
 class Spy(trl_pods.PODSGRPOTrainer):
     def _calculate_rewards(self, inputs, prompts, completions, completion_ids_list):
         # this process's rollouts scored here, to compare with the rows PODS takes from TRL's gathered rewards
-        task = torch.tensor(t.task_reward(completions, [x["answer"] for x in inputs]))
+        task = torch.tensor(trl_pods.task_reward(completions, [x["answer"] for x in inputs]))
         self.local_rewards = task + t.LENGTH_WEIGHT * torch.tensor(t.length_reward(completions))
         return super()._calculate_rewards(inputs, prompts, completions, completion_ids_list)
 
@@ -341,7 +322,8 @@ class Spy(trl_pods.PODSGRPOTrainer):
         return kept
 
 
-trainer = t.make_trainer(types.SimpleNamespace(PODSGRPOTrainer=Spy), model_dir, out, max_steps=2)
+trainer = t.make_trainer(types.SimpleNamespace(PODSGRPOTrainer=Spy, task_dataset=trl_pods.task_dataset, task_reward=trl_pods.task_reward),
+                         model_dir, out, max_steps=2)
 before = {{k: v.detach().clone() for k, v in trainer.model.named_parameters() if v.requires_grad}}
 trainer.train()
 after = {{k: v.detach() for k, v in trainer.model.named_parameters() if v.requires_grad}}

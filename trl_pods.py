@@ -56,8 +56,11 @@ import torch
 import trl
 from trl import GRPOConfig, GRPOTrainer
 
+import data
 import grpo
 import pods
+import rewards
+import sampling
 
 TESTED_TRL = "1.16.0"
 
@@ -182,3 +185,26 @@ class PODSGRPOTrainer(GRPOTrainer):
         metrics["pods/reward_std"].append(kept_rewards.std().item())
         metrics["pods/frac_reward_zero_std"].append(torch.isclose(group_std, torch.zeros_like(group_std)).float().mean().item())
         return kept
+
+
+# ----------------------------------------------------------------------------- this project's task, as TRL takes it
+
+def task_dataset(dataset: str = "gsm8k", split: str = "train", count: int | None = None):
+    """train.py's task as a TRL dataset: each row's `prompt` is train.py's chat (its system prompt asking for
+    <think>/<answer>, then the question) and its `answer` the reference answer, which TRL hands to reward
+    functions by column name (task_reward). `dataset` takes what train.py --dataset does (gsm8k, a .jsonl
+    file, arith, arith:2); `count` keeps the first rows."""
+    from datasets import Dataset
+
+    examples = data.load_examples(dataset, split)[:count]
+    return Dataset.from_dict({
+        "prompt": [[{"role": "system", "content": sampling.SYSTEM_PROMPT}, {"role": "user", "content": e.question}]
+                   for e in examples],
+        "answer": [e.answer for e in examples],
+    })
+
+
+def task_reward(completions, answer, **kwargs) -> list[float]:
+    """train.py's reward (rewards.reward: correctness plus format) in TRL's reward-function signature; a
+    completion is a conversational message list or plain text."""
+    return [rewards.reward(c[-1]["content"] if isinstance(c, list) else c, a) for c, a in zip(completions, answer)]

@@ -40,8 +40,6 @@ warnings.filterwarnings("ignore", message="`is_gradient_checkpointing` is deprec
 import torch
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
-import data
-import rewards
 import sampling
 import train
 
@@ -62,22 +60,6 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--model", default=sampling.EMBEDDED, help="a model directory, or 'embedded' (SmolLM2-135M-Instruct)")
     p.add_argument("--out-dir", default="/tmp/trl-pods-bench-out")
     return p.parse_args()
-
-
-def arith_dataset(count: int):
-    from datasets import Dataset
-
-    examples = data.load_examples("arith", "train")[:count]
-    return Dataset.from_dict({
-        "prompt": [[{"role": "system", "content": sampling.SYSTEM_PROMPT}, {"role": "user", "content": e.question}]
-                   for e in examples],
-        "answer": [e.answer for e in examples],
-    })
-
-
-def task_reward(completions, answer, **kwargs) -> list[float]:
-    """The project's reward (correctness plus format) in TRL's reward-function signature."""
-    return [rewards.reward(c[-1]["content"], a) for c, a in zip(completions, answer)]
 
 
 def timed_trainers():
@@ -117,6 +99,8 @@ def run(name: str, m: int, args, model_path: str) -> list[dict]:
     )
     from trl import GRPOConfig
 
+    import trl_pods
+
     accumulation = PROMPTS_PER_STEP * N // args.micro_batch
     config = GRPOConfig(
         output_dir=args.out_dir, use_cpu=True, bf16=False, fp16=False,
@@ -130,7 +114,7 @@ def run(name: str, m: int, args, model_path: str) -> list[dict]:
     torch.manual_seed(args.seed)
     model = AutoModelForCausalLM.from_pretrained(model_path, dtype=torch.float32)
     lora = LoraConfig(r=16, lora_alpha=32, lora_dropout=0.0, target_modules=train.LORA_TARGETS, task_type="CAUSAL_LM")
-    common = {"model": model, "reward_funcs": task_reward, "args": config, "train_dataset": arith_dataset(200),
+    common = {"model": model, "reward_funcs": trl_pods.task_reward, "args": config, "train_dataset": trl_pods.task_dataset("arith", count=200),
               "processing_class": AutoTokenizer.from_pretrained(model_path), "peft_config": lora}
     trainer = Timed(**common) if m == N else TimedPODS(**common, m=m)
     steps: list[dict] = []
