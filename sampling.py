@@ -113,10 +113,14 @@ def load_policy(model: str, device: str, dtype: torch.dtype):
     return policy, tokenizer
 
 
+def chat_messages(question: str) -> list[dict]:
+    """The chat: system prompt asking for <think>/<answer>, then the question."""
+    return [{"role": "system", "content": SYSTEM_PROMPT}, {"role": "user", "content": question}]
+
+
 def build_prompt(tokenizer, question: str) -> list[int]:
-    """Token ids of the chat prompt: system prompt asking for <think>/<answer>, then the question."""
-    messages = [{"role": "system", "content": SYSTEM_PROMPT}, {"role": "user", "content": question}]
-    ids = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True)
+    """Token ids of the chat prompt (chat_messages)."""
+    ids = tokenizer.apply_chat_template(chat_messages(question), add_generation_prompt=True, tokenize=True)
     if not isinstance(ids, list):  # some versions return a BatchEncoding
         ids = ids["input_ids"]
     return list(ids)

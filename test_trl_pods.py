@@ -73,7 +73,7 @@ def grpo_config(out_dir, **overrides):
 
 
 def make_trainer(trl_pods, model_dir, out_dir, m=M, reward_funcs=None, varied_lengths=False,
-                 rule="max_variance", **config):
+                 rule="max_variance", trainer=None, **config):
     from peft import LoraConfig
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
@@ -85,7 +85,7 @@ def make_trainer(trl_pods, model_dir, out_dir, m=M, reward_funcs=None, varied_le
     # init_lora_weights=False: both LoRA factors random, so both get a non-zero gradient to compare
     lora = LoraConfig(r=4, lora_alpha=8, lora_dropout=0.0, target_modules=train.LORA_TARGETS, task_type="CAUSAL_LM",
                       init_lora_weights=False)
-    return trl_pods.PODSGRPOTrainer(model=model, reward_funcs=list(reward_funcs or (trl_pods.task_reward, length_reward)), args=grpo_config(out_dir, **config),
+    return (trainer or trl_pods.PODSGRPOTrainer)(model=model, reward_funcs=list(reward_funcs or (trl_pods.task_reward, length_reward)), args=grpo_config(out_dir, **config),
                                     train_dataset=trl_pods.task_dataset("arith", count=16), processing_class=AutoTokenizer.from_pretrained(model_dir),
                                     peft_config=lora, m=m, rule=rule)
 
@@ -296,7 +296,7 @@ def test_training_on_arith_logs_kept_reward_stats_and_its_adapter_loads_in_eval(
 
 # ----------------------------------------------------------------------------- several processes (torchrun)
 
-TWO_PROCESS_SCRIPT = """import json, os, sys, types
+TWO_PROCESS_SCRIPT = """import json, os, sys
 sys.path.insert(0, {root!r})
 import torch
 import test_trl_pods as t
@@ -322,8 +322,7 @@ class Spy(trl_pods.PODSGRPOTrainer):
         return kept
 
 
-trainer = t.make_trainer(types.SimpleNamespace(PODSGRPOTrainer=Spy, task_dataset=trl_pods.task_dataset, task_reward=trl_pods.task_reward),
-                         model_dir, out, max_steps=2)
+trainer = t.make_trainer(trl_pods, model_dir, out, trainer=Spy, max_steps=2)
 before = {{k: v.detach().clone() for k, v in trainer.model.named_parameters() if v.requires_grad}}
 trainer.train()
 after = {{k: v.detach() for k, v in trainer.model.named_parameters() if v.requires_grad}}

@@ -198,8 +198,7 @@ def task_dataset(dataset: str = "gsm8k", split: str = "train", count: int | None
 
     examples = data.load_examples(dataset, split)[:count]
     return Dataset.from_dict({
-        "prompt": [[{"role": "system", "content": sampling.SYSTEM_PROMPT}, {"role": "user", "content": e.question}]
-                   for e in examples],
+        "prompt": [sampling.chat_messages(e.question) for e in examples],
         "answer": [e.answer for e in examples],
     })
 
