@@ -46,7 +46,8 @@
 # *_clock_to_budget tables take it. Ctrl-C, then the same command continues. For new seeds:
 #   PLAN=plateau CLOCK=reference SEEDS=9 ABLATION_SEEDS= bash docs/cpu_reproduction.sh
 # and the rules ablation for seeds trained so (max-reward and random timed with max-variance's line at the same
-# n and m; drawn against max-variance at the same seeds in docs/cpu_plateau_rules_clock_to_budget):
+# n and m; drawn against max-variance at the same seeds in docs/cpu_plateau_rules_clock_to_budget, and on the
+# seeds where all three rules ran in docs/cpu_plateau_rules_clock_paired):
 #   PLAN=plateau CLOCK=reference SEEDS= ABLATION_SEEDS="9 10" bash docs/cpu_reproduction.sh
 #
 # Before each training run the script repeats the first 6 steps of seed REF_SEED (default 0) of the run's setting (the same
@@ -370,6 +371,11 @@ if [[ " $STAGES " == *" report "* ]]; then
       ablation=$(evaluated $(to_budget "$KEEP"/maxreward-n8-m4-s* "$KEEP"/random-n8-m4-s*))
       plot plateau_rules_clock_to_budget $(evaluated $(for dir in $ablation; do echo "$KEEP/pods-n8-m4-s${dir##*-s}"; done | sort -u)) \
         $ablation --reference-runs $reference --baseline "PODS max_variance n=8 m=4"
+      # the same on the seeds where all three rules trained the budget (every rule paired seed by seed with
+      # max-variance, to those seeds' own horizon: seed 0's max-reward run, on its own clock, ends it early above)
+      RULES="pods-n8-m4 maxreward-n8-m4 random-n8-m4"
+      plot plateau_rules_clock_paired $(paired "$RULES" $(evaluated $(to_budget "$KEEP"/pods-n8-m4-s* "$KEEP"/maxreward-n8-m4-s* "$KEEP"/random-n8-m4-s*))) \
+        --reference-runs $reference --baseline "PODS max_variance n=8 m=4"
     fi
   else
   plot equal_rollouts $(evaluated "$KEEP"/grpo-n8-s* "$KEEP"/pods-n8-m4-s* "$KEEP"/pods-n8-m2-s*)
