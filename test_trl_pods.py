@@ -47,13 +47,11 @@ def trl_pods():
     return trl_pods
 
 
-def text(completion) -> str:
-    return completion[-1]["content"] if isinstance(completion, list) else completion
-
-
 def length_reward(completions, **kwargs) -> list[float]:
     """A reward a random model earns unevenly, so groups have a variance to select on."""
-    return [float(len(text(c)) % 3) for c in completions]
+    import trl_pods  # only TRL calls it, so TRL is installed
+
+    return [float(len(trl_pods.completion_text(c)) % 3) for c in completions]
 
 
 def grpo_config(out_dir, **overrides):
@@ -85,9 +83,10 @@ def make_trainer(trl_pods, model_dir, out_dir, m=M, reward_funcs=None, varied_le
     # init_lora_weights=False: both LoRA factors random, so both get a non-zero gradient to compare
     lora = LoraConfig(r=4, lora_alpha=8, lora_dropout=0.0, target_modules=train.LORA_TARGETS, task_type="CAUSAL_LM",
                       init_lora_weights=False)
-    return (trainer or trl_pods.PODSGRPOTrainer)(model=model, reward_funcs=list(reward_funcs or (trl_pods.task_reward, length_reward)), args=grpo_config(out_dir, **config),
-                                    train_dataset=trl_pods.task_dataset("arith", count=16), processing_class=AutoTokenizer.from_pretrained(model_dir),
-                                    peft_config=lora, m=m, rule=rule)
+    trainer = trainer or trl_pods.PODSGRPOTrainer
+    return trainer(model=model, reward_funcs=list(reward_funcs or (trl_pods.task_reward, length_reward)),
+                   args=grpo_config(out_dir, **config), train_dataset=trl_pods.task_dataset("arith", count=16),
+                   processing_class=AutoTokenizer.from_pretrained(model_dir), peft_config=lora, m=m, rule=rule)
 
 
 def rows(batch: dict) -> Counter:

@@ -203,7 +203,11 @@ def task_dataset(dataset: str = "gsm8k", split: str = "train", count: int | None
     })
 
 
+def completion_text(completion) -> str:
+    """A completion as TRL hands it to reward functions, as text: a conversational message list or plain text."""
+    return completion[-1]["content"] if isinstance(completion, list) else completion
+
+
 def task_reward(completions, answer, **kwargs) -> list[float]:
-    """train.py's reward (rewards.reward: correctness plus format) in TRL's reward-function signature; a
-    completion is a conversational message list or plain text."""
-    return [rewards.reward(c[-1]["content"] if isinstance(c, list) else c, a) for c, a in zip(completions, answer)]
+    """train.py's reward (rewards.reward: correctness plus format) in TRL's reward-function signature."""
+    return [rewards.reward(completion_text(c), a) for c, a in zip(completions, answer)]
