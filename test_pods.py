@@ -2130,6 +2130,54 @@ def test_plateau_plan_on_the_reference_clock_trains_a_new_seed_in_chunks_to_the_
     assert first.returncode == 1 and first.stdout.startswith("TAKE_TURNS=1 is for PLAN=plateau")
 
 
+def test_plateau_plan_on_the_reference_clock_continues_one_comparison_to_a_longer_budget(tmp_path):
+    """GRPO n=4 still rising at the budget, as a user continues equal updates only (train.py stubbed, as
+    above): seed 5 trained on the clock to BUDGET=1 minute (18 steps), then BUDGET=2 COMPARISONS=updates
+    resumes GRPO n=4 and PODS n=16 m=4 from their last checkpoint to 2 minutes (10 + 37 x 3 = 121 s: 38
+    steps, in two chunks) and keeps their longer records in docs/; equal rollouts' runs are not touched."""
+    root = project_copy(tmp_path)
+    (root / "train.py").write_text(STUB_CLOCK_TRAIN)
+    keep = reference_clock_records(root)
+    log = tmp_path / "train-calls.txt"
+    plan = dict(PLAN="plateau", CLOCK="reference", SEEDS="5", ABLATION_SEEDS="", STAGES="train", STUB_LOG=str(log))
+    assert run_reproduction(root, **plan, BUDGET="1").returncode == 0
+    first = len(log.read_text().splitlines())
+    longer = run_reproduction(root, **plan, BUDGET="2", COMPARISONS="updates")
+    assert longer.returncode == 0, longer.stdout + longer.stderr
+    calls = log.read_text().splitlines()[first:]
+    assert all("--resume" in c for c in calls)  # each in chunks (as above: 37 steps planned, then one more)
+    assert [(re.search(r"--out-dir \S+/(\S+)", c).group(1), re.search(r"--steps (\d+)", c).group(1)) for c in calls] == [
+        ("grpo-n4-s5", "37"), ("grpo-n4-s5", "38"), ("pods-n16-m4-s5", "37"), ("pods-n16-m4-s5", "38")]
+    for name, steps in (("grpo-n8-s5", 18), ("pods-n8-m4-s5", 18), ("grpo-n4-s5", 38), ("pods-n16-m4-s5", 38)):
+        assert len(read_metrics(keep / name)) == steps
+    assert run_reproduction(root, **plan, BUDGET="2", COMPARISONS="updates").returncode == 0  # reached: nothing more
+    assert len(log.read_text().splitlines()) == first + 4
+
+
+def test_plateau_report_draws_equal_updates_to_the_longer_budget_on_the_seeds_that_reached_it(tmp_path):
+    """STAGES=report with LONG_BUDGET=3: seeds 6 and 7 trained equal updates on the clock to 3.6 minutes
+    (70 steps, 1.5x as slow as the reference machine), seed 5 to 2.1 minutes; the longer table
+    (docs/cpu_plateau_equal_updates_clock_3min) holds seeds 6 and 7 only, read to 3.6 minutes, while the
+    to-budget table keeps all three to the shortest run's end."""
+    keep = reference_clock_records(project_copy(tmp_path))
+    listed = "# seed  why\n" + "".join(f"{seed}       constructed: on the clock\n" for seed in (5, 6, 7))
+    (keep / "slower-machine-seeds.txt").write_text(listed)
+    for seed, steps in ((5, 40), (6, 70), (7, 70)):
+        rows = [{"completion_len": 20.0, "truncated_frac": 0.0}] * steps  # 3 s a step on the clock
+        checkpoints = list(range(0, steps + 1, 10))
+        for name, config, curve in (("grpo-n4", {"rule": "none", "n": 4, "m": 4}, [0.1, 0.3, 0.5, 0.7, 0.8, 0.9, 0.9, 0.9]),
+                                    ("pods-n16-m4", {"rule": "max_variance", "n": 16, "m": 4}, [0.1] + [0.9] * 7)):
+            write_constructed_run(keep / f"{name}-s{seed}", {**config, "seed": seed, "time_budget": 0.0, "steps": steps}, rows,
+                                  list(zip(checkpoints, curve)), speed=1.5)
+    done = run_reproduction(tmp_path, PLAN="plateau", STAGES="report", LONG_BUDGET="3")
+    assert done.returncode == 0, done.stderr
+    longer = (tmp_path / "docs" / "cpu_plateau_equal_updates_clock_3min.txt").read_text()
+    to_budget = (tmp_path / "docs" / "cpu_plateau_equal_updates_clock_to_budget.txt").read_text()
+    assert re.search(r"^GRPO n=4 +2 ", longer, re.M) and "grpo-n4-s6" in longer and "-s5" not in longer
+    assert "shortest run's end, 3.6 min on the reference clock" in longer  # 10 + 69 x 3 = 217 s
+    assert re.search(r"^GRPO n=4 +3 ", to_budget, re.M) and "shortest run's end, 2.1 min" in to_budget
+
+
 STUB_EVAL = """from eval_real import *  # noqa: F401,F403 (the reference clock and the record readers, as the script imports them)
 import json, os, sys
 if __name__ == "__main__":  # evaluating a run's checkpoints: logged, and an evaluation written

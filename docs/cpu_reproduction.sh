@@ -49,6 +49,9 @@
 # n and m; drawn against max-variance at the same seeds in docs/cpu_plateau_rules_clock_to_budget, and on the
 # seeds where all three rules ran in docs/cpu_plateau_rules_clock_paired):
 #   PLAN=plateau CLOCK=reference SEEDS= ABLATION_SEEDS="9 10" bash docs/cpu_reproduction.sh
+# A larger BUDGET continues runs trained on the clock from their last checkpoint; COMPARISONS=updates (or rollouts)
+# takes one comparison's runs only. GRPO n=4 was still rising at 15 minutes, so equal updates runs to 20:
+#   PLAN=plateau CLOCK=reference BUDGET=20 COMPARISONS=updates SEEDS="9 10" ABLATION_SEEDS= bash docs/cpu_reproduction.sh
 #
 # Before each training run the script repeats the first 6 steps of seed REF_SEED (default 0) of the run's setting (the same
 # n and m; ~1 minute) and stops (exit 1) if they take more than 1.25x as long as in its record: the
@@ -78,6 +81,7 @@ PLAN=${PLAN:-first}
 if [ "$PLAN" = plateau ]; then
   BUDGET=${BUDGET:-15}; OUT=${OUT:-runs/cpu-plateau}; KEEP=docs/cpu-plateau; SEEDS=${SEEDS-"0 1 2 3 4 5 6 7 8 9"}  # 4-7 slower (slower-machine-seeds.txt)
   ABLATION_SEEDS=${ABLATION_SEEDS-"0 1"}  # ABLATION_SEEDS= (empty): none
+  COMPARISONS=${COMPARISONS-"rollouts updates"}  # COMPARISONS=updates: only equal updates' runs (e.g. a longer BUDGET for GRPO n=4)
 else
   BUDGET=${BUDGET:-3}; OUT=${OUT:-runs/cpu}; KEEP=docs/cpu
 fi
@@ -294,10 +298,14 @@ plan() { RUNS+=("$1"); if [[ " $STAGES " == *" train "* ]]; then run "$@"; fi; }
 start=$(date +%s)
 if [ "$PLAN" = plateau ]; then
   for seed in $SEEDS; do  # methods interleaved within a seed, so a slow hour of the machine hits all alike
-    plan grpo-n8-s$seed --seed $seed --rule none --n 8                      # 1: GRPO on all 8
-    plan pods-n8-m4-s$seed --seed $seed --rule max_variance --n 8 --m 4     # 1: PODS keeps 4 of the same 8
-    plan grpo-n4-s$seed --seed $seed --rule none --n 4                      # 2: GRPO on n = m = 4
-    plan pods-n16-m4-s$seed --seed $seed --rule max_variance --n 16 --m 4   # 2: PODS keeps 4 of 16
+    if [[ " $COMPARISONS " == *" rollouts "* ]]; then
+      plan grpo-n8-s$seed --seed $seed --rule none --n 8                    # 1: GRPO on all 8
+      plan pods-n8-m4-s$seed --seed $seed --rule max_variance --n 8 --m 4   # 1: PODS keeps 4 of the same 8
+    fi
+    if [[ " $COMPARISONS " == *" updates "* ]]; then
+      plan grpo-n4-s$seed --seed $seed --rule none --n 4                    # 2: GRPO on n = m = 4
+      plan pods-n16-m4-s$seed --seed $seed --rule max_variance --n 16 --m 4 # 2: PODS keeps 4 of 16
+    fi
     took_turns
   done
   for seed in $ABLATION_SEEDS; do  # after the comparisons: lower-powered
@@ -366,6 +374,11 @@ if [[ " $STAGES " == *" report "* ]]; then
       to_budget() { local dir; for dir in "$@"; do if [ -n "$(idle "$dir")" ] || by_clock "$dir"; then echo "$dir"; fi; done; }
       plot plateau_equal_rollouts_clock_to_budget $(paired "$ROLLOUTS" $(evaluated $(to_budget "${rollouts[@]}"))) --reference-runs $reference
       plot plateau_equal_updates_clock_to_budget $(paired "$UPDATES" $(evaluated $(to_budget "${updates[@]}"))) --reference-runs $reference
+      # equal updates to a longer horizon (GRPO n=4 was still rising at 15 minutes): the seeds whose two runs
+      # both reached LONG_BUDGET minutes on the clock (BUDGET=20 COMPARISONS=updates), to their shortest run's end
+      reached() { local dir; for dir in "$@"; do if [ "$(BUDGET=$LONG_BUDGET clock "$dir" | cut -d' ' -f1)" = 0 ]; then echo "$dir"; fi; done; }
+      LONG_BUDGET=${LONG_BUDGET:-20}
+      plot plateau_equal_updates_clock_${LONG_BUDGET}min $(paired "$UPDATES" $(evaluated $(reached $(to_budget "${updates[@]}")))) --reference-runs $reference
       # the rules ablation of the seeds that trained the budget on the clock (ABLATION_SEEDS with CLOCK=reference; the
       # clock times max-reward and random with max-variance's line), against max-variance at the same seeds
       ablation=$(evaluated $(to_budget "$KEEP"/maxreward-n8-m4-s* "$KEEP"/random-n8-m4-s*))
