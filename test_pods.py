@@ -2134,7 +2134,8 @@ def test_plateau_plan_on_the_reference_clock_continues_one_comparison_to_a_longe
     """GRPO n=4 still rising at the budget, as a user continues equal updates only (train.py stubbed, as
     above): seed 5 trained on the clock to BUDGET=1 minute (18 steps), then BUDGET=2 COMPARISONS=updates
     resumes GRPO n=4 and PODS n=16 m=4 from their last checkpoint to 2 minutes (10 + 37 x 3 = 121 s: 38
-    steps, in two chunks) and keeps their longer records in docs/; equal rollouts' runs are not touched."""
+    steps, in two chunks) and keeps their longer records in docs/; equal rollouts' runs are not touched. A
+    misspelt COMPARISONS is refused before anything trains."""
     root = project_copy(tmp_path)
     (root / "train.py").write_text(STUB_CLOCK_TRAIN)
     keep = reference_clock_records(root)
@@ -2151,6 +2152,9 @@ def test_plateau_plan_on_the_reference_clock_continues_one_comparison_to_a_longe
     for name, steps in (("grpo-n8-s5", 18), ("pods-n8-m4-s5", 18), ("grpo-n4-s5", 38), ("pods-n16-m4-s5", 38)):
         assert len(read_metrics(keep / name)) == steps
     assert run_reproduction(root, **plan, BUDGET="2", COMPARISONS="updates").returncode == 0  # reached: nothing more
+    assert len(log.read_text().splitlines()) == first + 4
+    typo = run_reproduction(root, **plan, BUDGET="3", COMPARISONS="update")
+    assert typo.returncode == 1 and typo.stdout.startswith("COMPARISONS=update: pass rollouts, updates or both")
     assert len(log.read_text().splitlines()) == first + 4
 
 

@@ -82,6 +82,9 @@ if [ "$PLAN" = plateau ]; then
   BUDGET=${BUDGET:-15}; OUT=${OUT:-runs/cpu-plateau}; KEEP=docs/cpu-plateau; SEEDS=${SEEDS-"0 1 2 3 4 5 6 7 8 9"}  # 4-7 slower (slower-machine-seeds.txt)
   ABLATION_SEEDS=${ABLATION_SEEDS-"0 1"}  # ABLATION_SEEDS= (empty): none
   COMPARISONS=${COMPARISONS-"rollouts updates"}  # COMPARISONS=updates: only equal updates' runs (e.g. a longer BUDGET for GRPO n=4)
+  for comparison in $COMPARISONS; do
+    case $comparison in rollouts|updates) ;; *) echo "COMPARISONS=$COMPARISONS: pass rollouts, updates or both (e.g. COMPARISONS=updates)"; exit 1;; esac
+  done
 else
   BUDGET=${BUDGET:-3}; OUT=${OUT:-runs/cpu}; KEEP=docs/cpu
 fi
