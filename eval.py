@@ -776,6 +776,7 @@ class ReferenceClock:
         self.line: dict[str, np.ndarray] = {}
         self.fit: dict[str, tuple[int, float]] = {}
         self.mean_step: dict[str, float] = {}  # the reference runs' mean step after their first
+        self.max_step: dict[str, float] = {}  # and the costliest of them on the line (long, truncated completions)
         for label, runs in rows_by_label.items():
             later = [row for rows in runs for row in rows[1:]]
             if len(later) < 10:
@@ -784,6 +785,7 @@ class ReferenceClock:
             self.line[label] = np.linalg.lstsq(x, y, rcond=None)[0]
             self.first[label] = float(np.mean([step_seconds(rows[0]) for rows in runs]))
             self.mean_step[label] = float(y.mean())
+            self.max_step[label] = float((x @ self.line[label]).max())
             residual, spread = y - x @ self.line[label], float(((y - y.mean()) ** 2).sum())
             self.fit[label] = (len(runs), 1 - float(residual @ residual) / spread if spread > 0 else 1.0)  # R^2
 
@@ -827,12 +829,14 @@ class ReferenceClock:
     def steps_left(self, label: str, rows: list[dict], seconds: float) -> int:
         """How many more steps a run of setting `label` with these metrics.jsonl rows (none: not started)
         should train to reach `seconds` on the clock, 0 when it has. The time left is divided by the clock's
-        cost of the run's last 10 steps (the reference mean after a first step, before it has any) and rounded
-        down, but at least 1: trained in chunks of it (train.py --steps N --resume), a run ends about a step past
-        `seconds` (less, unless its later steps cost more than its last 10), in a few chunks."""
+        cost of the run's last 10 steps and rounded down, but at least 1: trained in chunks of it (train.py
+        --steps N --resume), a run ends about a step past `seconds` (less, unless its later steps cost more
+        than its last 10), in a few chunks. Before a run has any steps, the divisor is the reference runs'
+        costliest step, not their mean: a run that learns later than they did has costlier steps (long,
+        truncated completions), and a first chunk at the mean took one such run 4.5 minutes past 20."""
         costs, setting = self.costs(label, rows), self.setting(label)
         if not rows:  # the first step warms up
-            return 1 + max(0, int((seconds - self.first[setting]) // self.mean_step[setting]))
+            return 1 + max(0, int((seconds - self.first[setting]) // self.max_step[setting]))
         done = sum(costs)
         if done >= seconds:
             return 0

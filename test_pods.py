@@ -1899,8 +1899,9 @@ def test_reference_clock_recovers_the_step_cost_line_and_times_a_run_from_a_slow
     def steps(count):
         return [{"completion_len": rng.uniform(5, 32), "truncated_frac": rng.choice([0.0, 0.25, 1.0])} for _ in range(count)]
     grpo = {"rule": "none", "n": 8, "m": 8}
+    reference_rows = [steps(30), steps(30)]
     for seed in (0, 1):
-        write_constructed_run(tmp_path / f"ref-{seed}", {**grpo, "seed": seed}, steps(30))
+        write_constructed_run(tmp_path / f"ref-{seed}", {**grpo, "seed": seed}, reference_rows[seed])
     slow_rows = steps(20)
     write_constructed_run(tmp_path / "slow", {**grpo, "seed": 5}, slow_rows, speed=2.0)
     reference = [tmp_path / "ref-0", tmp_path / "ref-1"]
@@ -1915,7 +1916,10 @@ def test_reference_clock_recovers_the_step_cost_line_and_times_a_run_from_a_slow
     rows, mean = evaluation.read_metrics(tmp_path / "slow"), clock.mean_step["GRPO n=8"]
     recent = np.mean([1 + 0.1 * r["completion_len"] + 2 * r["truncated_frac"] for r in slow_rows[-10:]])
     assert [clock.steps_left("GRPO n=8", rows, expected[-1] + k * recent) for k in (0, 0.5, 4.5)] == [0, 1, 4]
-    assert clock.steps_left("GRPO n=8", [], 10.0 + 5.5 * mean) == 6  # not started: a first step, then the reference mean
+    # not started: a first step, then the reference runs' costliest step (a run that learns late has costly steps)
+    costliest = max(1 + 0.1 * r["completion_len"] + 2 * r["truncated_frac"] for rows_ in reference_rows for r in rows_[1:])
+    assert clock.max_step["GRPO n=8"] == pytest.approx(costliest) and costliest > 1.2 * mean
+    assert clock.steps_left("GRPO n=8", [], 10.0 + 5.5 * costliest) == 6
     with pytest.raises(evaluation.EvalError, match="do not hold every step from 1 on"):
         clock.steps_left("GRPO n=8", rows[:3] + rows[4:], 1000.0)
     pods = tmp_path / "pods"
@@ -1945,7 +1949,7 @@ def test_reference_clock_times_the_other_rules_with_max_variances_line_at_the_sa
         assert clock.setting(f"PODS {rule} n=8 m=4") == "PODS max_variance n=8 m=4"
         assert clock.at_steps(tmp_path / "mr", f"PODS {rule} n=8 m=4", [0, 12]) == pytest.approx([0.0, expected[-1]])
     assert clock.setting("GRPO n=8") == "GRPO n=8"
-    assert clock.steps_left("PODS random n=8 m=4", [], 10.0 + 2.5 * clock.mean_step["PODS max_variance n=8 m=4"]) == 3
+    assert clock.steps_left("PODS random n=8 m=4", [], 10.0 + 2.5 * clock.max_step["PODS max_variance n=8 m=4"]) == 3
     for label in ("PODS max_reward n=8 m=2", "PODS random n=16 m=4", "GRPO n=4"):
         with pytest.raises(evaluation.EvalError, match=f"no reference runs of {label} "):
             clock.setting(label)
