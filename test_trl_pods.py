@@ -330,6 +330,8 @@ os.makedirs(out, exist_ok=True)  # TRL creates its output_dir on the main proces
 json.dump({{"world_size": trainer.accelerator.num_processes, "records": records,
            "moved": any(not torch.equal(before[k], after[k]) for k in after),
            "weights": {{k: v.double().sum().item() for k, v in after.items()}}}}, open(f"{{out}}/rank{{rank}}.json", "w"))
+if torch.distributed.is_initialized():  # torn down before exit: left to exit-time destructors, gloo once aborted (SIGABRT)
+    torch.distributed.destroy_process_group()
 """
 
 
