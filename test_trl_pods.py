@@ -26,6 +26,7 @@ import test_pods
 import train
 
 embedded_dir, tiny_model_dir = test_pods.embedded_dir, test_pods.tiny_model_dir  # fixtures: a random 2-layer Llama
+cpu_unless_marked_cuda = test_pods.cpu_unless_marked_cuda  # autouse: on a GPU machine only the tests marked cuda see the GPU
 
 pytestmark = [
     pytest.mark.trl,
@@ -359,3 +360,54 @@ def test_two_processes_each_select_from_their_own_rewards_and_train_the_same_ada
                    for rank in ranks)
     assert ranks[0]["moved"] and ranks[1]["moved"]
     assert ranks[0]["weights"] == pytest.approx(ranks[1]["weights"], rel=1e-6)  # DDP kept the adapters equal
+
+
+# ----------------------------------------------------------------------------- on a GPU (marker cuda)
+
+
+@test_pods.on_cuda
+# trl 1.16 toggles checkpointing around each generation by transformers' old names, deprecated in 5.23
+@pytest.mark.filterwarnings("ignore:`gradient_checkpointing_(en|dis)able` is deprecated:FutureWarning")
+def test_cuda_a_gpu_users_config_trains_in_bfloat16_keeps_m_rows_and_its_adapter_evaluates(trl_pods, tiny_model_dir, tmp_path):
+    """TRL as a GPU user runs it: the model given by path (TRL loads it), use_cpu off, bf16 mixed precision and
+    activation checkpointing on. TRL's rewards then live on the GPU: each generation batch must still keep the
+    rows pods.downsample picks, m per prompt, with advantages from their rewards alone; two steps train the
+    adapter to finite values, and eval.py evaluates the saved adapter on the GPU."""
+    from peft import LoraConfig
+
+    seen = []
+
+    class Spy(trl_pods.PODSGRPOTrainer):
+        def downsample_batch(self, batch, rewards):
+            kept = super().downsample_batch(batch, rewards)
+            seen.append((rewards.detach().clone(), kept["advantages"].detach().clone(), kept["completion_ids"].device))
+            return kept
+
+    lora = LoraConfig(r=4, lora_alpha=8, lora_dropout=0.0, target_modules=train.LORA_TARGETS, task_type="CAUSAL_LM")
+    config = grpo_config(tmp_path / "trl", use_cpu=False, bf16=True, activation_checkpointing=True, max_steps=2)
+    trainer = Spy(model=str(tiny_model_dir), reward_funcs=[trl_pods.task_reward, length_reward], args=config,
+                  train_dataset=trl_pods.task_dataset("arith", count=16), peft_config=lora, m=M)
+    lora_params = {name: p for name, p in trainer.model.named_parameters() if p.requires_grad}
+    before = {name: p.detach().clone() for name, p in lora_params.items()}
+    trainer.train()
+
+    assert len(seen) == 2 and all(device.type == "cuda" for _, _, device in seen)
+    for rewards, advantages, _ in seen:
+        assert rewards.device.type == "cuda"
+        picked = pods.downsample(rewards, M, "max_variance", group_size=N)
+        expected = grpo.group_advantages(rewards[torch.tensor(picked, device=rewards.device)].view(-1, M)).view(-1)
+        torch.testing.assert_close(advantages, expected)
+    logged = [row for row in trainer.state.log_history if "pods/reward" in row]
+    assert len(logged) == 2 and all(torch.isfinite(torch.tensor(row["loss"])) for row in logged)
+    assert all(p.device.type == "cuda" and torch.isfinite(p).all() for p in lora_params.values())
+    assert any(not torch.equal(p, before[name]) for name, p in lora_params.items())
+    print(f"\ncuda TRL: base weights {next(p for p in trainer.model.parameters() if not p.requires_grad).dtype}, LoRA "
+          f"{next(iter(lora_params.values())).dtype}; losses {[round(row['loss'], 4) for row in logged]}, kept reward "
+          f"{[round(row['pods/reward'], 3) for row in logged]} of {[round(row['reward'], 3) for row in logged]}")
+
+    adapter = tmp_path / "adapter"
+    trainer.save_model(str(adapter))
+    argv = [str(adapter), "--dataset", "arith", "--limit", "2", "--repeats", "1", "--max-new-tokens", "4", "--backend", "hf"]
+    assert evaluation.main(argv) == 0
+    (result,) = json.loads((adapter / "eval-arith.json").read_text())["results"]
+    assert result["checkpoint"] == "adapter" and 0 <= result["accuracy"] <= 1
