@@ -1,7 +1,8 @@
 """Time one training step's phases, GRPO against PODS, with and without prompt sharing.
 
 A measuring tool beside train.py, not part of training: it builds the same model, sampler and update
-as `train.py` (same flags), draws --prompts-per-step prompts, generates their n rollouts, and runs
+as `train.py` (same flags), runs one untimed step at full size (warm_up), then draws --prompts-per-step
+prompts, generates their n rollouts, and runs
 the update on the m kept for m = n, n/2 and n/4 (m >= 2), printing a table of seconds per phase,
 the update's peak memory and each step's cost relative to GRPO's. With the transformers backend it
 then times one decode step against its arithmetic (`decode_step_ms`) and prints the gap between the
@@ -73,6 +74,19 @@ def peak_memory_mb(fn):
     return result, max(0, max(peak[0], rss()) - before) / 2**20
 
 
+def warm_up(sampler, model, optimizer, scheduler, stream, args: train.Args, pad_id: int) -> None:
+    """One untimed step at full size: a generation of --prompts-per-step x n and GRPO's update on it, with
+    the prompt per row and shared. First calls pay one-off costs (on a GPU the allocator growing to the
+    step's size, the first kernels), which otherwise fall on whichever column runs first (on an H100, per-row
+    generation, timed first, read 2x shared's, though the two differ only in the prompt's prefill)."""
+    sampler.share_prompt = False
+    rollouts, scores, _, _ = train.generate_and_score(sampler, stream.next_batch(args.prompts_per_step), args.n)
+    advantages = grpo.group_advantages(scores.view(-1, args.n)).flatten()
+    for share in (False, True):
+        train.policy_update(model, optimizer, scheduler, rollouts, advantages, dataclasses.replace(args, share_prompt=share), pad_id)
+    sampler.update_weights(model)
+
+
 def benchmark(args: train.Args, repeats: int = 2) -> list[dict]:
     """Time one step's phases for GRPO (m = n) and PODS (m = n/2, n/4), each with the prompt computed
     once per rollout and once per group (--no-share-prompt / --share-prompt), on the same rollouts.
@@ -94,7 +108,7 @@ def benchmark(args: train.Args, repeats: int = 2) -> list[dict]:
     optimizer = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=args.lr)
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: 1.0)
     sampler = train.make_sampler(args, model, tokenizer, model_name, device)
-    sampler.generate([stream.next_batch(1)[0][0]], 2)  # warm-up: first calls pay one-off costs
+    warm_up(sampler, model, optimizer, scheduler, stream, args, tokenizer.pad_token_id)
     ms = sorted({m for m in (args.n, args.n // 2, args.n // 4) if m >= 2}, reverse=True)
     shares = (False, True)
     vllm = isinstance(sampler, sampling.VLLMSampler)
