@@ -2,9 +2,9 @@
 
 A measuring tool beside train.py, not part of training: it builds the same model, sampler and update
 as `train.py` (same flags), runs one untimed step at full size (warm_up), then draws --prompts-per-step
-prompts, generates their n rollouts, and runs
-the update on the m kept for m = n, n/2 and n/4 (m >= 2), printing a table of seconds per phase,
-the update's peak memory and each step's cost relative to GRPO's. With the transformers backend it
+prompts, generates their n rollouts, and runs the update on the m kept for m = n, n/2 and n/4
+(m >= 2), printing a table of seconds per phase, the update's peak memory and each step's cost
+relative to GRPO's. With the transformers backend it
 then times one decode step against its arithmetic (`decode_step_ms`) and prints the gap between the
 sampler's and the trainer's log-probabilities of the same rollouts.
 
