@@ -831,8 +831,8 @@ class ReferenceClock:
         should train to reach `seconds` on the clock, 0 when it has. The time left is divided by the clock's
         cost of the run's last 10 steps and rounded down, but at least 1: trained in chunks of it (train.py
         --steps N --resume), a run ends about a step past `seconds` (less, unless its later steps cost more
-        than its last 10), in a few chunks. Before a run has any steps, the divisor is the reference runs'
-        costliest step, not their mean: a run that learns later than they did has costlier steps (long,
+        than its last 10), in a few chunks. Before a run has any steps past its first, the divisor is the reference
+        runs' costliest step, not their mean: a run that learns later than they did has costlier steps (long,
         truncated completions), and a first chunk at the mean took one such run 4.5 minutes past 20."""
         costs, setting = self.costs(label, rows), self.setting(label)
         if not rows:  # the first step warms up
@@ -841,7 +841,7 @@ class ReferenceClock:
         if done >= seconds:
             return 0
         recent = costs[1:][-10:]
-        cost = float(np.mean(recent)) if recent else self.mean_step[setting]
+        cost = float(np.mean(recent)) if recent else self.max_step[setting]  # only its first step: as if not started
         return max(1, int((seconds - done) // max(cost, 1e-9)))
 
     def describe(self) -> list[str]:

@@ -1920,6 +1920,8 @@ def test_reference_clock_recovers_the_step_cost_line_and_times_a_run_from_a_slow
     costliest = max(1 + 0.1 * r["completion_len"] + 2 * r["truncated_frac"] for rows_ in reference_rows for r in rows_[1:])
     assert clock.max_step["GRPO n=8"] == pytest.approx(costliest) and costliest > 1.2 * mean
     assert clock.steps_left("GRPO n=8", [], 10.0 + 5.5 * costliest) == 6
+    first = clock.costs("GRPO n=8", rows[:1])[0]  # stopped after its first step: no later step of its own to go by yet
+    assert clock.steps_left("GRPO n=8", rows[:1], first + 5.5 * costliest) == 5
     with pytest.raises(evaluation.EvalError, match="do not hold every step from 1 on"):
         clock.steps_left("GRPO n=8", rows[:3] + rows[4:], 1000.0)
     pods = tmp_path / "pods"
