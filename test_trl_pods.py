@@ -101,6 +101,15 @@ def trainable_grads(model) -> dict[str, torch.Tensor]:
     return {name: p.grad.clone() for name, p in model.named_parameters() if p.requires_grad}
 
 
+def evaluate_adapter(trainer, adapter: Path) -> None:
+    """Save the trainer's adapter to `adapter` and evaluate it with eval.py on 2 arith questions: one result row."""
+    trainer.save_model(str(adapter))
+    argv = [str(adapter), "--dataset", "arith", "--limit", "2", "--repeats", "1", "--max-new-tokens", "4", "--backend", "hf"]
+    assert evaluation.main(argv) == 0
+    (result,) = json.loads((adapter / "eval-arith.json").read_text())["results"]
+    assert result["checkpoint"] == adapter.name and 0 <= result["accuracy"] <= 1
+
+
 # ----------------------------------------------------------------------------- configuration and version checks
 
 
@@ -276,8 +285,6 @@ def test_training_on_arith_logs_kept_reward_stats_and_its_adapter_loads_in_eval(
         assert {"reward", "reward_std", "frac_reward_zero_std", "pods/reward_std", "pods/frac_reward_zero_std"} <= row.keys()
     assert any(not torch.equal(p, before[name]) for name, p in trainer.model.named_parameters() if p.requires_grad)
 
-    adapter = tmp_path / "adapter"
-    trainer.save_model(str(adapter))
     evaluated = {}
     load_target = evaluation.load_target
 
@@ -286,12 +293,9 @@ def test_training_on_arith_logs_kept_reward_stats_and_its_adapter_loads_in_eval(
         evaluated.update(get_peft_model_state_dict(model))
 
     monkeypatch.setattr(evaluation, "load_target", spy_load_target)
-    argv = [str(adapter), "--dataset", "arith", "--limit", "2", "--repeats", "1", "--max-new-tokens", "4", "--backend", "hf"]
-    assert evaluation.main(argv) == 0
+    evaluate_adapter(trainer, tmp_path / "adapter")
     trained = get_peft_model_state_dict(trainer.model)
     assert evaluated.keys() == trained.keys() and all(torch.equal(evaluated[k], trained[k]) for k in trained)
-    (result,) = json.loads((adapter / "eval-arith.json").read_text())["results"]
-    assert result["checkpoint"] == "adapter" and 0 <= result["accuracy"] <= 1
 
 
 # ----------------------------------------------------------------------------- several processes (torchrun)
@@ -405,9 +409,4 @@ def test_cuda_a_gpu_users_config_trains_in_bfloat16_keeps_m_rows_and_its_adapter
           f"{next(iter(lora_params.values())).dtype}; losses {[round(row['loss'], 4) for row in logged]}, kept reward "
           f"{[round(row['pods/reward'], 3) for row in logged]} of {[round(row['reward'], 3) for row in logged]}")
 
-    adapter = tmp_path / "adapter"
-    trainer.save_model(str(adapter))
-    argv = [str(adapter), "--dataset", "arith", "--limit", "2", "--repeats", "1", "--max-new-tokens", "4", "--backend", "hf"]
-    assert evaluation.main(argv) == 0
-    (result,) = json.loads((adapter / "eval-arith.json").read_text())["results"]
-    assert result["checkpoint"] == "adapter" and 0 <= result["accuracy"] <= 1
+    evaluate_adapter(trainer, tmp_path / "adapter")
