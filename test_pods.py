@@ -2759,11 +2759,12 @@ def test_resolve_on_a_gpu_gives_the_authors_single_gpu_configuration():
     assert (args.prompts_per_step, args.max_new_tokens, args.lr, args.lora_rank, args.lora_alpha, args.micro_batch, args.steps) == \
         (1, 512, 5e-6, 64, 64, 4, 1000)
     assert args.gradient_checkpointing and args.bf16_weights and not args.bf16_autocast
+    assert not args.share_prompt and train.resolve(train.Args(share_prompt=True), "cuda").share_prompt  # per row unless asked
     assert args.dataset == "gsm8k" and train.pick_model(args, "cuda") == "Qwen/Qwen2.5-3B-Instruct"
     assert (args.adam_beta1, args.adam_beta2, args.weight_decay, args.max_grad_norm, args.warmup_ratio, args.temperature) == \
         (0.9, 0.99, 0.1, 0.1, 0.01, 0.9)
     cpu = train.resolve(train.Args(), "cpu")
-    assert not cpu.gradient_checkpointing and not cpu.bf16_weights and cpu.dataset == "arith"
+    assert not cpu.gradient_checkpointing and not cpu.bf16_weights and cpu.share_prompt and cpu.dataset == "arith"
     assert cpu.bf16_autocast is sampling.computes_bfloat16("cpu") and cpu.merged_sampler  # float32 where bfloat16 is emulated
 
 
@@ -2892,8 +2893,8 @@ def test_cuda_gpu_profile_trains_resumes_exactly_and_evaluates(tiny_model_dir, t
     assert train.main([*argv, "--steps", "2", "--out-dir", str(resumed)]) == 0
     assert train.main([*argv, "--steps", "3", "--out-dir", str(resumed), "--resume"]) == 0
     config = json.loads((resumed / "config.json").read_text())
-    assert config["device"] == "cuda" and {k: config[k] for k in ("bf16_weights", "gradient_checkpointing", "bf16_autocast")} == \
-        {"bf16_weights": True, "gradient_checkpointing": True, "bf16_autocast": False}
+    assert config["device"] == "cuda" and {k: config[k] for k in ("bf16_weights", "gradient_checkpointing", "bf16_autocast", "share_prompt")} == \
+        {"bf16_weights": True, "gradient_checkpointing": True, "bf16_autocast": False, "share_prompt": False}
     a, b = read_metrics(straight), read_metrics(resumed)
     assert [r["step"] for r in a] == [r["step"] for r in b] == [1, 2, 3]
     print(f"\ncuda GPU profile: peak memory {torch.cuda.max_memory_allocated() / 2**20:.0f} MiB; step 3 straight "

@@ -107,7 +107,8 @@ class Args:
     bf16_autocast: bool | None = arg(None, "bfloat16 autocast for generation and the update [GPU off (the weights are bfloat16 already), CPU on: ~2x faster, "
                                            "where the CPU computes bfloat16 (AVX-512 BF16 or AMX; elsewhere off: emulated bfloat16 is several times slower)]")
     gen_batch: int = arg(64, "hf backend: sequences per generate call (rounded down to whole groups of n, one group at least)")
-    share_prompt: bool = arg(True, "compute each prompt once per group: one prefill in hf generation, one forward per micro-batch in the update (exact)")
+    share_prompt: bool | None = arg(None, "compute each prompt once per group: one prefill in hf generation, one forward per micro-batch in the update "
+                                          "(exact) [GPU off: on an H100 the update was no faster with it and its peak memory 1.6x (docs/gpu.md), CPU on]")
     merged_sampler: bool | None = arg(None, "hf backend: generate with a copy of the policy, its LoRA merged in and refreshed after every "
                                             "update, in bfloat16 with --bf16-autocast or --bf16-weights, else float32 (decode ~2-3x faster "
                                             "on a CPU; one more copy of the weights in memory); --no-merged-sampler samples the trained model itself [on]")
@@ -116,9 +117,9 @@ class Args:
 
 PROFILES = {
     "gpu": dict(prompts_per_step=1, max_new_tokens=512, lr=5e-6, lora_rank=64, lora_alpha=64, micro_batch=4, steps=1000,
-                gradient_checkpointing=True, bf16_autocast=False, bf16_weights=True, merged_sampler=True),
+                gradient_checkpointing=True, bf16_autocast=False, bf16_weights=True, merged_sampler=True, share_prompt=False),
     "cpu": dict(prompts_per_step=4, max_new_tokens=32, lr=3e-4, lora_rank=16, lora_alpha=32, micro_batch=8, steps=100,
-                gradient_checkpointing=False, bf16_autocast=True, bf16_weights=False, merged_sampler=True),
+                gradient_checkpointing=False, bf16_autocast=True, bf16_weights=False, merged_sampler=True, share_prompt=True),
 }
 BFLOAT16_FLAGS = ("bf16_autocast",)  # off in the CPU profile where the CPU emulates bfloat16 (the merged copy is then float32)
 PRECISION_FLAGS = (*BFLOAT16_FLAGS, "merged_sampler", "bf16_weights")  # what --resume warns about when they change
