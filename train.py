@@ -108,7 +108,7 @@ class Args:
                                            "where the CPU computes bfloat16 (AVX-512 BF16 or AMX; elsewhere off: emulated bfloat16 is several times slower)]")
     gen_batch: int = arg(64, "hf backend: sequences per generate call (rounded down to whole groups of n, one group at least)")
     share_prompt: bool | None = arg(None, "compute each prompt once per group: one prefill in hf generation, one forward per micro-batch in the update "
-                                          "(exact) [GPU off: on an H100 the update was no faster with it and its peak memory 1.6x (docs/gpu.md), CPU on]")
+                                          "(exact) [GPU off: on an H100 and at 3B's shape on an H200 the update was no faster with it and its peak memory 1.4-1.6x (docs/gpu.md), CPU on]")
     merged_sampler: bool | None = arg(None, "hf backend: generate with a copy of the policy, its LoRA merged in and refreshed after every "
                                             "update, in bfloat16 with --bf16-autocast or --bf16-weights, else float32 (decode ~2-3x faster "
                                             "on a CPU; one more copy of the weights in memory); --no-merged-sampler samples the trained model itself [on]")
