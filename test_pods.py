@@ -957,6 +957,24 @@ def test_bad_input_exits_2_with_one_line(argv, message, tmp_path, capsys):
     assert err.startswith("error: ") and message in err and "\n" not in err
 
 
+def test_auto_model_that_cannot_load_stops_in_one_line_instead_of_training_another(tmp_path, monkeypatch, capsys):
+    """--model auto on a GPU is Qwen2.5-3B-Instruct. With no hub the run stops and says what to pass;
+    it used to train the embedded 135M model under the 3B profile, saying so only at info level."""
+    loaded = []
+
+    def hub_unreachable(model, device, dtype):
+        loaded.append(model)
+        raise sampling.SetupError(f"could not load model {model!r} (no hub); with no model hub, pass a local directory "
+                                  f"with --model or use --model {sampling.EMBEDDED}")
+
+    monkeypatch.setattr(train, "pick_model", lambda args, device: train.GPU_MODEL)  # what auto picks on a GPU
+    monkeypatch.setattr(sampling, "load_policy", hub_unreachable)
+    assert train.main(["--dataset", "arith", "--steps", "1", "--out-dir", str(tmp_path / "run")]) == 2
+    err = capsys.readouterr().err.strip()
+    assert err == f"error: could not load model '{train.GPU_MODEL}' (no hub); with no model hub, pass a local directory with --model or use --model embedded"
+    assert loaded == [train.GPU_MODEL]  # not followed by the embedded model
+
+
 @pytest.mark.parametrize("make_path", [lambda tmp: tmp / "a-file", lambda tmp: tmp / "a-file" / "run"])
 def test_an_out_dir_that_cannot_be_a_directory_exits_2_before_the_model_loads(make_path, tmp_path, capsys, monkeypatch):
     (tmp_path / "a-file").write_text("not a directory")

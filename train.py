@@ -280,14 +280,7 @@ def load_trainable_policy(args: Args, model_name: str, device: str):
     from peft import LoraConfig
 
     dtype = torch.bfloat16 if args.bf16_weights else torch.float32
-    try:
-        model, tokenizer = sampling.load_policy(model_name, device, dtype)
-    except sampling.SetupError:
-        if args.model != "auto":
-            raise
-        log.info("could not load %s (no model hub?): using the embedded model SmolLM2-135M-Instruct instead", model_name)
-        model_name = sampling.EMBEDDED
-        model, tokenizer = sampling.load_policy(model_name, device, dtype)
+    model, tokenizer = sampling.load_policy(model_name, device, dtype)  # a model that won't load stops the run (SetupError)
     config = LoraConfig(r=args.lora_rank, lora_alpha=args.lora_alpha, lora_dropout=0.0, target_modules=LORA_TARGETS, task_type="CAUSAL_LM")
     model = add_lora(model, config)
     if args.gradient_checkpointing:
