@@ -285,7 +285,7 @@ def load_trainable_policy(args: Args, model_name: str, device: str):
     model = add_lora(model, config)
     if args.gradient_checkpointing:
         enable_activation_checkpointing(model)
-    return model, tokenizer, model_name
+    return model, tokenizer
 
 
 def make_sampler(args: Args, model, tokenizer, model_name: str, device: str, world: distributed.World = distributed.World()):
@@ -699,7 +699,8 @@ def train(args: Args, world: distributed.World = distributed.World()) -> Path:
     torch.manual_seed(args.seed)  # the LoRA initialisation, the same on every rank
 
     examples = data.load_examples(args.dataset, "train", seed=args.seed)
-    model, tokenizer, model_name = load_trainable_policy(args, pick_model(args, device), device)
+    model_name = pick_model(args, device)
+    model, tokenizer = load_trainable_policy(args, model_name, device)
     if resuming:
         check_resumed_model(out_dir, model_name)
     prompts = tokenize_examples(examples, tokenizer, args.max_prompt_tokens)
