@@ -92,7 +92,13 @@ STAGES=${STAGES:-"train eval report"}
 TAKE_TURNS=${TAKE_TURNS:-0}
 CLOCK=${CLOCK:-wall}
 TASK=arith:2
-TRAIN="--dataset $TASK --prompts-per-step 4 --max-new-tokens 32 --lr 3e-4 --warmup-ratio 0 --bf16-autocast --merged-sampler"  # every run's (a constant LR; bfloat16: check_cpu)
+PRECISION=${PRECISION:-bfloat16}  # of training and evaluation: float32 for a series on a CPU without bfloat16 arithmetic (check_cpu)
+case $PRECISION in
+  bfloat16) AUTOCAST=--bf16-autocast;;
+  float32) AUTOCAST=;;  # train.py's and eval.py's default on such a CPU
+  *) echo "PRECISION=$PRECISION: pass bfloat16 (the kept runs') or float32 (a CPU without bfloat16 arithmetic)"; exit 1;;
+esac
+TRAIN="--dataset $TASK --prompts-per-step 4 --max-new-tokens 32 --lr 3e-4 --warmup-ratio 0 $AUTOCAST --merged-sampler"  # every run's (a constant LR)
 COMMON="$TRAIN --steps 1000 --time-budget $BUDGET --save-every-minutes 1 --save-every-steps 0"  # to BUDGET minutes of its own
 if [ "$CLOCK" = reference ]; then  # to BUDGET minutes on the reference clock: train_by_clock
   if [ "$PLAN" != plateau ] || [ "$TAKE_TURNS" = 1 ]; then echo "CLOCK=reference is for PLAN=plateau, one run at a time (not TAKE_TURNS=1)"; exit 1; fi
@@ -105,10 +111,17 @@ EVAL="--dataset $TASK --limit 256 --repeats 1"
 
 check_cpu() {  # the kept runs computed in bfloat16 on CPUs with AVX-512 BF16; elsewhere torch emulates it
   if [ "${CHECK_CPU:-1}" = 0 ] || [[ " $STAGES " != *" train "* && " $STAGES " != *" eval "* ]]; then return; fi
-  if ! python -c "import sys, sampling; sys.exit(0 if sampling.computes_bfloat16('cpu') else 1)"; then
+  if python -c "import sys, sampling; sys.exit(0 if sampling.computes_bfloat16('cpu') else 1)"; then
+    if [ "$PRECISION" = float32 ]; then
+      echo "PRECISION=float32 is for a CPU without bfloat16 arithmetic: eval.py evaluates in bfloat16 on this one, not in the" \
+           "precision its runs trained in; leave PRECISION out (bfloat16, as the kept runs)"
+      exit 1
+    fi
+  elif [ "$PRECISION" = bfloat16 ]; then
     echo "this CPU has no bfloat16 arithmetic (no AVX-512 BF16 or AMX): the kept runs train and evaluate in bfloat16, which it emulates" \
          "(a GRPO n=8 step ~12x slower than in float32; docs/speed.md), and eval.py would evaluate in float32 here, which" \
-         "the tables refuse to mix; use a CPU with AVX-512 BF16 (lscpu: avx512_bf16), or CHECK_CPU=0 to run anyway (STAGES=report needs neither)"
+         "the tables refuse to mix; use a CPU with AVX-512 BF16 (lscpu: avx512_bf16), or PRECISION=float32 for new seeds" \
+         "trained and evaluated in float32 (CLOCK=reference), or CHECK_CPU=0 to run anyway (STAGES=report needs neither)"
     exit 1
   fi
 }
@@ -135,6 +148,15 @@ config = eval.run_config(run) or vars(parser.parse_known_args(args)[0])
 label, clock = eval.label_of(config), eval.ReferenceClock(reference)
 print(clock.steps_left(label, eval.read_metrics(Path(run)), float(budget) * 60), max(1, round(60 / clock.mean_step[clock.setting(label)])))
 EOF
+}
+
+own_precision() {  # run dir $1, if begun, trained in PRECISION: a run is trained and evaluated in one precision
+  local autocast=false; [ "$PRECISION" = float32 ] || autocast=true
+  if [ -f "$1/config.json" ] && ! grep -qE "\"bf16_autocast\": *$autocast" "$1/config.json"; then
+    echo "$(basename "$1") in $(dirname "$1") did not train in $PRECISION (its config.json: bf16_autocast not $autocast): pass the" \
+         "PRECISION it trained in, or SEEDS and ABLATION_SEEDS without its seed"
+    exit 1
+  fi
 }
 
 by_clock() { grep -qE '"time_budget": *0(\.0)?([,}]|$)' "$1/config.json" 2>/dev/null; }  # run $1 trained to a number of steps (CLOCK=reference)
@@ -198,7 +220,8 @@ list_seed() {  # CLOCK=reference, before training run $1 (seed $2): its seed is 
       exit 1
     fi
   done
-  echo "$seed       trained on the reference clock (CLOCK=reference, from $(date -u '+%d %B %Y %H:%M') UTC): timed by the reference machine's step costs, not its own minutes" >> "$KEEP/slower-machine-seeds.txt"
+  local precision=""; [ "$PRECISION" = bfloat16 ] || precision=", in $PRECISION"
+  echo "$seed       trained on the reference clock (CLOCK=reference$precision, from $(date -u '+%d %B %Y %H:%M') UTC): timed by the reference machine's step costs, not its own minutes" >> "$KEEP/slower-machine-seeds.txt"
 }
 
 train_by_clock() {  # CLOCK=reference: train.py in chunks of --steps, each resuming the last, until the reference clock reaches BUDGET
@@ -219,6 +242,7 @@ train_by_clock() {  # CLOCK=reference: train.py in chunks of --steps, each resum
 
 run() {  # a run finished here, or kept in docs from another machine (runs/ is not in git), is not redone
   local dir=$OUT/$1 kept=$KEEP/$1; shift
+  own_precision "$dir"; [ -d "$dir" ] || own_precision "$kept"
   if finished "$dir"; then after_training "$dir"; return; fi  # (again: a stop just after its training may have missed it)
   if [ ! -d "$dir" ] && finished "$kept"; then return; fi
   if [ "$CLOCK" = reference ] || by_clock "$dir"; then train_by_clock "$dir" "$@"; after_training "$dir"; return; fi  # (begun on the clock: stays on it)
@@ -282,6 +306,7 @@ evaluate() {  # a run still training (run in parts) waits for a later invocation
   if [[ "$EVALUATED" == *" $1 "* ]]; then return; fi  # (as soon as it trained, in this invocation)
   local began; began=$(date +%s)
   if [ ! -d "$OUT/$1" ] && [ -f "$KEEP/$1/eval-arith-2.json" ]; then return; fi  # evaluated on another machine
+  if [ -d "$OUT/$1" ]; then own_precision "$OUT/$1"; else own_precision "$KEEP/$1"; fi
   if [ ! -d "$OUT/$1" ] && finished "$KEEP/$1"; then  # trained on another machine, its checkpoints lost: made again
     rm -rf "$OUT/$1.replay"  # (docs/replay_run.py: the same steps, each checked against the record)
     python docs/replay_run.py "$KEEP/$1" "$OUT/$1.replay"
