@@ -548,6 +548,15 @@ def label_of(config: dict) -> str:
 # how often it saved (the curves are read up to the shortest run; on the reference clock, a run trains to a
 # number of steps, docs/cpu_reproduction.sh CLOCK=reference)
 SEED_FIELDS = {"seed", "out_dir", "resume", "torch", "device", "steps", "time_budget", "save_every_steps", "save_every_minutes"}
+PRECISION_FIELDS = {"bf16_autocast", "bf16_weights"}  # may differ between seeds, not within one (run_precision)
+
+
+def run_precision(config: dict, eval_settings: dict) -> str:
+    """The arithmetic a run trained and was evaluated in. Seeds may differ in it (a series trained on a CPU
+    without bfloat16 arithmetic, in float32), a seed's runs may not: they are compared pair by pair."""
+    trained = ("bfloat16 weights" if config.get("bf16_weights") else "bfloat16 autocast" if config.get("bf16_autocast")
+               else "float32")
+    return f"trained in {trained}, evaluated in {eval_settings.get('precision', 'bfloat16')}"
 
 
 def differing_keys(a: dict, b: dict, ignore: frozenset[str] | set[str] = frozenset()) -> list[str]:
@@ -556,13 +565,15 @@ def differing_keys(a: dict, b: dict, ignore: frozenset[str] | set[str] = frozens
 
 
 def group_curves(run_dirs: list[Path], dataset: str | None, clock: ReferenceClock | None = None
-                 ) -> tuple[dict[str, list[tuple[list[float], list[float]]]], dict[str, list[int]]]:
+                 ) -> tuple[dict[str, list[tuple[list[float], list[float]]]], dict[str, list[int]], dict[int, str]]:
     """Accuracy curves grouped by label (rule, n, m), each group's runs in the order of their seeds,
-    and each group's seeds in that order (so the i-th runs of two groups with the same seeds are a
-    pair). Runs of one label must differ only in their seed, and every run must have been evaluated
-    with the same settings. Times are each run's own training seconds, or the reference clock's."""
+    each group's seeds in that order (so the i-th runs of two groups with the same seeds are a pair),
+    and each seed's precision (run_precision). Runs of one label must differ only in their seed and
+    precision, every run must have been evaluated with the same settings but precision, and a seed's
+    runs in one precision. Times are each run's own training seconds, or the reference clock's."""
     groups: dict[str, list[tuple[list[float], list[float]]]] = {}
     seeds: dict[str, list[int]] = {}
+    precisions: dict[int, tuple[str, Path]] = {}
     first_config: dict[str, tuple[Path, dict]] = {}
     eval_settings: tuple[Path, dict] | None = None
     for run in run_dirs:
@@ -577,26 +588,31 @@ def group_curves(run_dirs: list[Path], dataset: str | None, clock: ReferenceCloc
         stored = json.loads(files[0].read_text())
         if eval_settings is None:
             eval_settings = (run, stored["settings"])
-        elif stored["settings"] != eval_settings[1]:
-            differing = differing_keys(stored["settings"], eval_settings[1])
+        elif differing := differing_keys(stored["settings"], eval_settings[1], ignore={"precision"}):
             raise EvalError(f"{run} and {eval_settings[0]} were evaluated with different settings ({', '.join(differing)}); "
                             f"evaluate them alike (--force) before comparing")
         config = json.loads((run / "config.json").read_text())
         label = label_of(config)
         if label in first_config:
             other, other_config = first_config[label]
-            differing = differing_keys(config, other_config, ignore=SEED_FIELDS)
+            differing = differing_keys(config, other_config, ignore=SEED_FIELDS | PRECISION_FIELDS)
             if differing:
                 raise EvalError(f"{run} and {other} are both {label} but differ in {', '.join(differing)}, "
                                 f"not only the seed; plot them separately")
         first_config.setdefault(label, (run, config))
+        seed, precision = config.get("seed", 0), run_precision(config, stored["settings"])
+        if precisions.setdefault(seed, (precision, run))[0] != precision:
+            other_precision, other = precisions[seed]
+            raise EvalError(f"{run} and {other}, both seed {seed}, differ in precision ({precision}; {other_precision}); "
+                            f"a seed's runs are compared pair by pair: train and evaluate them alike")
         results = sorted(stored["results"], key=lambda r: r["elapsed_s"])
         times = [r["elapsed_s"] for r in results] if clock is None else clock.at_steps(run, label, [r["step"] for r in results])
         groups.setdefault(label, []).append((times, [r["accuracy"] for r in results]))
-        seeds.setdefault(label, []).append(config.get("seed", 0))
+        seeds.setdefault(label, []).append(seed)
     order = {label: sorted(range(len(runs)), key=lambda i: seeds[label][i]) for label, runs in groups.items()}
     return ({label: [runs[i] for i in order[label]] for label, runs in groups.items()},
-            {label: [seeds[label][i] for i in order[label]] for label in groups})
+            {label: [seeds[label][i] for i in order[label]] for label in groups},
+            {seed: precision for seed, (precision, _) in sorted(precisions.items())})
 
 
 def run_up_to(run: tuple[list[float], list[float]], end: float) -> tuple[list[float], list[float]]:
@@ -904,7 +920,7 @@ def plot(run_dirs: list[Path], out: Path, dataset: str | None, baseline: str | N
     import matplotlib.pyplot as plt
 
     clock = ReferenceClock(reference) if reference else None
-    whole, seeds_by_label = group_curves(run_dirs, dataset, clock)
+    whole, seeds_by_label, precisions = group_curves(run_dirs, dataset, clock)
     horizon = min(t[-1] for runs in whole.values() for t, _ in runs)
     groups = up_to(whole, horizon)  # one window for the seed-mean readings below
     curves = {label: mean_curve(runs) for label, runs in groups.items()}
@@ -937,7 +953,11 @@ def plot(run_dirs: list[Path], out: Path, dataset: str | None, baseline: str | N
     lines = ([] if clock is None else clock.describe()) + [
         f"every run is read up to the shortest run's end, {horizon / 60:.1f} min" + ("" if clock is None else " on the reference clock")
         + " (seed by seed: each seed's two runs up to the shorter one's end)"
-        + ("" if clock is None else "; every time below is on the reference clock (the step-cost and learning-onset tables: each run's own)"), ""]
+        + ("" if clock is None else "; every time below is on the reference clock (the step-cost and learning-onset tables: each run's own)")]
+    if len(set(precisions.values())) > 1:  # named only when seeds differ: each seed's runs share one (group_curves)
+        for precision in sorted(set(precisions.values())):
+            lines.append(f"seeds {', '.join(str(s) for s, p in precisions.items() if p == precision)}: {precision}")
+    lines.append("")
     lines += [f"baseline {baseline}: peak {peak:.3f}, target {frac:g} x peak = {frac * peak:.3f}, "
              f"first reached at {t_base / 60:.1f} min",
              f"{'run':<36}{'time to target':>24}{'speed-up':>10}"]

@@ -1375,13 +1375,20 @@ def test_mean_curve_interpolates_seeds_onto_a_common_grid():
 
 
 def fake_run(root: Path, name: str, rule: str, n: int, m: int, curve: list[tuple[float, float]],
-             lr: float = 3e-4, limit: int = 64, seed: int = 0) -> Path:
+             lr: float = 3e-4, limit: int = 64, seed: int = 0, precision: str | None = None) -> Path:
+    """A run's config.json and eval-arith.json; precision "bfloat16" or "float32": trained (bf16_autocast)
+    and evaluated (eval.Settings.key names only float32) in it."""
     run = root / name
     run.mkdir()
-    (run / "config.json").write_text(json.dumps({"model_resolved": "embedded", "rule": rule, "n": n, "m": m, "lr": lr, "seed": seed}))
+    config = {"model_resolved": "embedded", "rule": rule, "n": n, "m": m, "lr": lr, "seed": seed}
+    settings = {"limit": limit}
+    if precision is not None:
+        config["bf16_autocast"] = precision == "bfloat16"
+        settings |= {} if precision == "bfloat16" else {"precision": precision}
+    (run / "config.json").write_text(json.dumps(config))
     results = [{"checkpoint": f"checkpoint-{i}", "step": i, "elapsed_s": t, "accuracy": a, "accuracy_se": 0.0,
                 "accuracies": [a], "format_rate": 0.0} for i, (t, a) in enumerate(curve)]
-    (run / "eval-arith.json").write_text(json.dumps({"settings": {"limit": limit}, "results": results}))
+    (run / "eval-arith.json").write_text(json.dumps({"settings": settings, "results": results}))
     return run
 
 
@@ -1489,6 +1496,30 @@ def test_plot_prints_speedup_intervals_and_paired_differences_for_runs_with_the_
     assert "  seeds at 0.99 x peak: 0: 1.00x  1: baseline never  2: 1.00x" in out.splitlines()
 
 
+def test_plot_takes_seeds_of_another_precision_and_names_them_but_refuses_a_seed_split_between_two(tmp_path, capsys):
+    """A series of seeds trained and evaluated in float32 (a CPU without bfloat16 arithmetic) compares with the
+    bfloat16 seeds, pair by pair, and the table names each seed's precision; a seed whose two runs differ in
+    precision is refused, whichever side differs, in one line."""
+    runs = []
+    for seed, precision in enumerate(["bfloat16", "bfloat16", "float32"]):
+        runs.append(fake_run(tmp_path, f"grpo-s{seed}", "none", 8, 8, [(0, 0.1), (60, 0.4), (120, 0.5)], seed=seed, precision=precision))
+        runs.append(fake_run(tmp_path, f"pods-s{seed}", "max_variance", 8, 4, [(0, 0.1), (60, 0.5), (120, 0.6)], seed=seed, precision=precision))
+    assert evaluation.main(["--plot", *map(str, runs), "--out", str(tmp_path / "f.png")]) == 0
+    lines = capsys.readouterr().out.splitlines()
+    assert "seeds 0, 1: trained in bfloat16 autocast, evaluated in bfloat16" in lines
+    assert "seeds 2: trained in float32, evaluated in float32" in lines
+    assert "  seeds at 0.99 x peak: 0: 2.00x  1: 2.00x  2: 2.00x" in lines  # every pair read, the float32 one too
+    assert evaluation.main(["--plot", *map(str, runs[:2]), "--out", str(tmp_path / "f.png")]) == 0
+    assert not any(line.startswith("seeds 0:") for line in capsys.readouterr().out.splitlines())  # one precision: not named
+    split = fake_run(tmp_path, "pods-s3", "max_variance", 8, 4, [(0, 0.1), (60, 0.5)], seed=3, precision="float32")
+    for grpo_precision in ("bfloat16", None):  # trained in float32 but evaluated in bfloat16, or trained in bfloat16
+        grpo = fake_run(tmp_path, f"grpo-s3-{grpo_precision}", "none", 8, 8, [(0, 0.1), (60, 0.4)], seed=3, precision=grpo_precision)
+        assert evaluation.main(["--plot", *map(str, runs), str(grpo), str(split), "--out", str(tmp_path / "f.png")]) == 2
+        err = capsys.readouterr().err
+        assert f"{split} and {grpo}, both seed 3, differ in precision (trained in float32, evaluated in float32; " in err
+        assert "train and evaluate them alike" in err and len(err.strip().splitlines()) == 1
+
+
 def test_up_to_ends_every_run_at_one_time_interpolating_where_a_run_went_on():
     groups = {"a": [([0, 60, 180], [0.1, 0.4, 0.7]), ([0, 120], [0.2, 0.6])], "b": [([0, 90], [0.0, 0.9])]}
     assert evaluation.up_to(groups, 90) == {"a": [([0, 60, 90], [0.1, 0.4, 0.475]), ([0, 90], [0.2, 0.5])],
@@ -1572,7 +1603,9 @@ if __name__ == "__main__":  # eval.py imports train
 def test_reproduction_stops_at_once_on_a_cpu_that_emulates_bfloat16_but_redraws_there(tmp_path):
     """The kept runs computed in bfloat16: on a CPU without its arithmetic (sampling.computes_bfloat16
     stubbed to say so) training and evaluation stop before any run, in one line; the report stage, which
-    computes nothing, runs; CHECK_CPU=0 trains anyway, with the kept runs' bfloat16 flags."""
+    computes nothing, runs; CHECK_CPU=0 trains anyway, with the kept runs' bfloat16 flags. PRECISION=float32
+    trains new seeds there in float32, but not a run begun in bfloat16, and not on a CPU with bfloat16 arithmetic
+    (eval.py would evaluate its runs in bfloat16)."""
     root = project_copy(tmp_path)
     (root / "train.py").write_text(STUB_TRAIN)
     (root / "sampling.py").write_text("def computes_bfloat16(device):\n    return False\n")
@@ -1588,6 +1621,21 @@ def test_reproduction_stops_at_once_on_a_cpu_that_emulates_bfloat16_but_redraws_
     assert anyway.returncode == 0, anyway.stdout + anyway.stderr
     calls = log.read_text().splitlines()
     assert len(calls) == 4 and all("--bf16-autocast --merged-sampler" in c for c in calls)
+
+    f32 = run_reproduction(root, STAGES="train", CHECK_CPU="1", PRECISION="float32", **{**env, "SEEDS": "1"})
+    assert f32.returncode == 0, f32.stdout + f32.stderr
+    f32_calls = log.read_text().splitlines()[len(calls):]
+    assert len(f32_calls) == 4 and all("--bf16-autocast" not in c and "--warmup-ratio 0 --merged-sampler" in c for c in f32_calls)
+    begun = root / "runs" / "cpu-plateau" / "grpo-n8-s2"
+    begun.mkdir(parents=True)
+    (begun / "config.json").write_text(json.dumps({"bf16_autocast": True}))
+    mixed = run_reproduction(root, STAGES="train", CHECK_CPU="1", PRECISION="float32", **{**env, "SEEDS": "2"})
+    assert mixed.returncode == 1 and mixed.stdout.startswith("grpo-n8-s2 in runs/cpu-plateau did not train in float32")
+    assert len(log.read_text().splitlines()) == len(calls) + 4  # nothing trained
+    assert run_reproduction(root, PRECISION="half", **env).stdout.startswith("PRECISION=half: pass bfloat16")
+    (root / "sampling.py").write_text("def computes_bfloat16(device):\n    return True\n")
+    native = run_reproduction(root, STAGES="train", CHECK_CPU="1", PRECISION="float32", **{**env, "SEEDS": "3"})
+    assert native.returncode == 1 and native.stdout.startswith("PRECISION=float32 is for a CPU without bfloat16 arithmetic")
 
 
 def test_plateau_plan_skips_runs_kept_from_another_machine_and_stops_on_a_slower_one(tmp_path):

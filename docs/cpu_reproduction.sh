@@ -59,6 +59,9 @@
 # setting alike (PODS n=8 m=4 most), so every run is checked with its own work (CHECK_SPEED=0 skips it).
 # Training and evaluation stop at once (exit 1) on a CPU without bfloat16 arithmetic (no AVX-512 BF16 or AMX; CHECK_CPU=0
 # skips it): the kept runs computed in bfloat16, which such a CPU emulates, a step ~12x slower.
+# PRECISION=float32 (such a CPU, with CLOCK=reference): new seeds train and evaluate in float32, each seed's runs
+# in one precision (a run begun in the other is refused), and the tables name each seed's precision:
+#   PLAN=plateau CLOCK=reference BUDGET=20 COMPARISONS=updates SEEDS=15 ABLATION_SEEDS= PRECISION=float32 bash docs/cpu_reproduction.sh
 # It also stops if those steps' metrics differ from the record's: the same seed and settings give the same
 # numbers on one machine, and other numbers on another (seeds 0-3's machine is not the one later sessions
 # had; docs/cpu-reproduction.md). REF_SEED=S makes seed S's records the reference: a series on another machine.
