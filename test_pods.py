@@ -1630,7 +1630,7 @@ def test_reproduction_stops_at_once_on_a_cpu_that_emulates_bfloat16_but_redraws_
     begun.mkdir(parents=True)
     (begun / "config.json").write_text(json.dumps({"bf16_autocast": True}))
     mixed = run_reproduction(root, STAGES="train", CHECK_CPU="1", PRECISION="float32", **{**env, "SEEDS": "2"})
-    assert mixed.returncode == 1 and mixed.stdout.startswith("grpo-n8-s2 in runs/cpu-plateau did not train in float32")
+    assert mixed.returncode == 1 and mixed.stdout.startswith("grpo-n8-s2 in runs/cpu-plateau did not train in float32 (its config.json: bf16_autocast true)")
     assert len(log.read_text().splitlines()) == len(calls) + 4  # nothing trained
     assert run_reproduction(root, PRECISION="half", **env).stdout.startswith("PRECISION=half: pass bfloat16")
     (root / "sampling.py").write_text("def computes_bfloat16(device):\n    return True\n")

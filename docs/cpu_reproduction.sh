@@ -153,10 +153,10 @@ print(clock.steps_left(label, eval.read_metrics(Path(run)), float(budget) * 60),
 EOF
 }
 
-own_precision() {  # run dir $1, if begun, trained in PRECISION: a run is trained and evaluated in one precision
-  local autocast=false; [ "$PRECISION" = float32 ] || autocast=true
-  if [ -f "$1/config.json" ] && ! grep -qE "\"bf16_autocast\": *$autocast" "$1/config.json"; then
-    echo "$(basename "$1") in $(dirname "$1") did not train in $PRECISION (its config.json: bf16_autocast not $autocast): pass the" \
+own_precision() {  # run dir $1, if begun, did not train in the other precision: a run trains and evaluates in one
+  local other=true; [ "$PRECISION" = float32 ] || other=false
+  if grep -qE "\"bf16_autocast\": *$other" "$1/config.json" 2>/dev/null; then
+    echo "$(basename "$1") in $(dirname "$1") did not train in $PRECISION (its config.json: bf16_autocast $other): pass the" \
          "PRECISION it trained in, or SEEDS and ABLATION_SEEDS without its seed"
     exit 1
   fi
