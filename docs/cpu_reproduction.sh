@@ -153,10 +153,11 @@ print(clock.steps_left(label, eval.read_metrics(Path(run)), float(budget) * 60),
 EOF
 }
 
-own_precision() {  # run dir $1, if begun, did not train in the other precision: a run trains and evaluates in one
-  local other=true; [ "$PRECISION" = float32 ] || other=false
-  if grep -qE "\"bf16_autocast\": *$other" "$1/config.json" 2>/dev/null; then
-    echo "$(basename "$1") in $(dirname "$1") did not train in $PRECISION (its config.json: bf16_autocast $other): pass the" \
+own_precision() {  # run $1 (its dir here, else its record in docs) did not train in the other precision: a run trains
+  # and evaluates in one
+  local dir=$OUT/$1 other=true; [ -d "$dir" ] || dir=$KEEP/$1; [ "$PRECISION" = float32 ] || other=false
+  if grep -qE "\"bf16_autocast\": *$other" "$dir/config.json" 2>/dev/null; then
+    echo "$1 in $(dirname "$dir") did not train in $PRECISION (its config.json: bf16_autocast $other): pass the" \
          "PRECISION it trained in, or SEEDS and ABLATION_SEEDS without its seed"
     exit 1
   fi
@@ -244,8 +245,8 @@ train_by_clock() {  # CLOCK=reference: train.py in chunks of --steps, each resum
 }
 
 run() {  # a run finished here, or kept in docs from another machine (runs/ is not in git), is not redone
+  own_precision "$1"
   local dir=$OUT/$1 kept=$KEEP/$1; shift
-  own_precision "$dir"; [ -d "$dir" ] || own_precision "$kept"
   if finished "$dir"; then after_training "$dir"; return; fi  # (again: a stop just after its training may have missed it)
   if [ ! -d "$dir" ] && finished "$kept"; then return; fi
   if [ "$CLOCK" = reference ] || by_clock "$dir"; then train_by_clock "$dir" "$@"; after_training "$dir"; return; fi  # (begun on the clock: stays on it)
@@ -309,7 +310,7 @@ evaluate() {  # a run still training (run in parts) waits for a later invocation
   if [[ "$EVALUATED" == *" $1 "* ]]; then return; fi  # (as soon as it trained, in this invocation)
   local began; began=$(date +%s)
   if [ ! -d "$OUT/$1" ] && [ -f "$KEEP/$1/eval-arith-2.json" ]; then return; fi  # evaluated on another machine
-  if [ -d "$OUT/$1" ]; then own_precision "$OUT/$1"; else own_precision "$KEEP/$1"; fi
+  own_precision "$1"
   if [ ! -d "$OUT/$1" ] && finished "$KEEP/$1"; then  # trained on another machine, its checkpoints lost: made again
     rm -rf "$OUT/$1.replay"  # (docs/replay_run.py: the same steps, each checked against the record)
     python docs/replay_run.py "$KEEP/$1" "$OUT/$1.replay"
