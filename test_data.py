@@ -1,0 +1,61 @@
+"""data.py: the built-in arithmetic task, the GSM8K-style .jsonl reader and their errors."""
+
+from __future__ import annotations
+
+import logging
+
+import pytest
+
+import data
+
+
+def test_arith_levels_compute_their_answers():
+    rng = __import__("random").Random(3)
+    for level in (1, 2, 3, 4):
+        for _ in range(50):
+            e = data.arith_problem(rng, level)
+            numbers = [int(x) for x in __import__("re").findall(r"\d+", e.question)]
+            if level == 1 or "gets" in e.question:
+                assert int(e.answer) == numbers[0] + numbers[1]
+            elif level == 4:
+                assert int(e.answer) == numbers[0] + numbers[1] - numbers[2]
+            else:
+                assert int(e.answer) == numbers[0] - numbers[1] >= 0
+
+
+def test_arith_splits_are_reproducible_and_distinct():
+    assert data.load_examples("arith", "train", seed=1)[:5] == data.load_examples("arith", "train", seed=1)[:5]
+    assert data.load_examples("arith", "test") == data.load_examples("arith", "test")
+    assert data.load_examples("arith", "test")[:20] != data.load_examples("arith", "train", seed=0)[:20]
+
+
+def test_jsonl_reader_accepts_gsm8k_solutions_and_bare_numbers(tmp_path):
+    path = tmp_path / "d.jsonl"
+    path.write_text('{"question": "q1", "answer": "x\\n#### 1,200"}\n{"question": "q2", "answer": 7}\nnot json\n{"question": "q3"}\n')
+    assert data.load_examples(str(path), "train") == [data.Example("q1", "1200"), data.Example("q2", "7")]
+
+
+def test_jsonl_reader_errors_name_the_problem(tmp_path):
+    with pytest.raises(data.DataError, match="does not exist"):
+        data.load_examples(str(tmp_path / "missing.jsonl"), "train")
+    (tmp_path / "bad.jsonl").write_text('{"text": "no question"}\n')
+    with pytest.raises(data.DataError, match="no usable rows"):
+        data.load_examples(str(tmp_path / "bad.jsonl"), "train")
+
+
+def test_arith_level_names():
+    assert data.arith_levels("arith") == (1, 2, 3)
+    assert data.arith_levels("arith:21") == (1, 2)
+    assert data.arith_levels("gsm8k") is None and data.arith_levels("x.jsonl") is None
+    assert all(e.question.startswith("What is") for e in data.load_examples("arith:1", "test"))
+    with pytest.raises(data.DataError, match="levels are digits 1 to 4"):
+        data.arith_levels("arith:5")
+
+
+def test_a_malformed_line_in_a_jsonl_dataset_is_skipped_and_reported(tmp_path, caplog):
+    path = tmp_path / "train.jsonl"
+    path.write_text('{"question": "1+1?", "answer": "2"}\n{"question": "2+2?", "answ\n\n{"question": "3+3?", "answer": 6}\n')
+    with caplog.at_level(logging.INFO, logger="pods"):
+        examples = data.load_examples(str(path), "train")
+    assert [e.answer for e in examples] == ["2", "6"]
+    assert "skipped 1 unusable line(s)" in caplog.text and "first at line 2" in caplog.text

@@ -1,0 +1,87 @@
+"""sampling.py: the transformers sampler (shared prefill, tempered sampling, stop tokens, the merged copy)."""
+
+from __future__ import annotations
+
+import re
+from pathlib import Path
+
+import pytest
+import torch
+
+import sampling
+from testkit import lora_policy
+
+
+def test_computes_bfloat16_takes_a_torch_device_as_well_as_its_name():
+    assert sampling.computes_bfloat16(torch.device("cpu")) == sampling.computes_bfloat16("cpu")
+    assert sampling.computes_bfloat16(torch.device("cuda", 0)) and sampling.computes_bfloat16("cuda:0")
+
+
+def test_computes_bfloat16_reads_what_the_cpu_reports():
+    """Against /proc/cpuinfo's flags, a source torch does not share: avx512_bf16 or amx_bf16."""
+    cpuinfo = Path("/proc/cpuinfo")
+    if not cpuinfo.exists():
+        pytest.skip("no /proc/cpuinfo (not Linux)")
+    flags = set(re.search(r"^flags\s*:(.*)$", cpuinfo.read_text(), re.M).group(1).split())
+    assert sampling.computes_bfloat16("cpu") == bool(flags & {"avx512_bf16", "amx_bf16"})
+    assert sampling.computes_bfloat16("cuda")
+
+
+def test_shared_prefill_generates_the_same_tokens_as_prefilling_each_rollout(tiny_model_dir):
+    model, tokenizer = lora_policy(tiny_model_dir)
+    prompts = [[5, 6, 7, 8, 9, 10, 11], [12, 13, 14], [15, 16, 17, 18, 19]]
+    generated = []
+    for share in (False, True):
+        sampler = sampling.HFSampler(model, tokenizer, max_new_tokens=8, temperature=0.9, batch_size=6, share_prompt=share)
+        torch.manual_seed(0)
+        generated.append([[r.completion_ids for r in group] for group in sampler.generate(prompts, 3)])
+    assert generated[0] == generated[1]
+    assert [len(group) for group in generated[1]] == [3, 3, 3]
+    assert len({tuple(c) for group in generated[1] for c in group}) > 3  # sampled, not one repeated answer
+
+
+def test_sample_tokens_draws_from_the_tempered_distribution_and_returns_its_log_probability():
+    logits = torch.tensor([[2.0, 1.0, -1e9, 0.0, -1e9]]).repeat(20_000, 1)  # two tokens impossible
+    torch.manual_seed(0)
+    tokens, logprobs = sampling.sample_tokens(logits, temperature=0.5)
+    expected = torch.softmax(logits[0] / 0.5, -1)
+    frequencies = torch.bincount(tokens, minlength=5).double() / len(tokens)
+    assert frequencies[2] == 0 and frequencies[4] == 0
+    assert torch.allclose(frequencies, expected.double(), atol=0.01)  # 20,000 draws: standard error <= 0.0036
+    assert torch.allclose(logprobs, torch.log_softmax(logits / 0.5, -1).gather(1, tokens[:, None]).squeeze(1))
+    torch.manual_seed(0)
+    assert torch.equal(sampling.sample_tokens(logits, temperature=0.5)[0], tokens)  # the global generator replays it
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_merged_copy_holds_the_current_adapter_after_update_weights_and_the_base_inside_disable_adapter(tiny_model_dir, dtype):
+    """In bfloat16 (a GPU, a CPU with bfloat16 arithmetic) and float32 (a CPU without): peft's own merge, rounded to the copy's dtype."""
+    import copy
+
+    model, tokenizer = lora_policy(tiny_model_dir)
+    sampler = sampling.HFSampler(model, tokenizer, max_new_tokens=4, temperature=0.9, merged=True, merged_dtype=dtype)
+
+    def expected(policy):
+        return {k: v for k, v in copy.deepcopy(policy).merge_and_unload().to(dtype).state_dict().items()}
+
+    assert all(torch.equal(sampler.model.state_dict()[k], v) for k, v in expected(model).items())
+    with torch.no_grad():  # an update
+        for name, param in model.named_parameters():
+            if "lora_" in name:
+                param.add_(0.05)
+    stale = expected(model)
+    assert not all(torch.equal(sampler.model.state_dict()[k], v) for k, v in stale.items())
+    sampler.update_weights(model)
+    assert all(torch.equal(sampler.model.state_dict()[k], v) for k, v in stale.items())
+    assert all(not p.requires_grad and p.dtype == dtype for p in sampler.model.parameters())
+    buffers = [b for b in sampler.model.buffers() if b.is_floating_point()]  # the rotary frequencies
+    assert buffers and all(b.dtype == torch.float32 for b in buffers)  # as in a model loaded in bfloat16
+    with model.disable_adapter():
+        sampler.update_weights(model)
+    base = sampling.load_policy(str(tiny_model_dir), "cpu", dtype)[0].state_dict()
+    assert all(torch.equal(sampler.model.state_dict()[k], v) for k, v in base.items())
+
+
+def test_cut_at_stop_keeps_the_eos_and_drops_what_follows():
+    assert sampling.cut_at_stop([5, 6, 2, 9, 2], {2}) == ([5, 6, 2], False)
+    assert sampling.cut_at_stop([5, 6, 7], {2}) == ([5, 6, 7], True)

