@@ -10,7 +10,6 @@ sampler's and the trainer's log-probabilities of the same rollouts.
 
 Usage:
     python benchmark.py --dataset arith --n 8 --prompts-per-step 4
-    python train.py --benchmark ...                       # the same
 """
 
 from __future__ import annotations
@@ -23,10 +22,14 @@ import time
 import numpy as np
 import torch
 
+import config
 import data
 import grpo
+import model as models
 import sampling
 import train
+import vllm_sampler
+from update import policy_update
 
 
 def peak_memory_mb(fn):
@@ -83,7 +86,7 @@ def warm_up(sampler, model, optimizer, scheduler, stream, args: train.Args, pad_
     rollouts, scores, _, _ = train.generate_and_score(sampler, stream.next_batch(args.prompts_per_step), args.n)
     advantages = grpo.group_advantages(scores.view(-1, args.n)).flatten()
     for share in (False, True):
-        train.policy_update(model, optimizer, scheduler, rollouts, advantages, dataclasses.replace(args, share_prompt=share), pad_id)
+        policy_update(model, optimizer, scheduler, rollouts, advantages, train.update_settings(dataclasses.replace(args, share_prompt=share)), pad_id)
     sampler.update_weights(model)
 
 
@@ -100,19 +103,21 @@ def benchmark(args: train.Args, repeats: int = 2) -> list[dict]:
     transformers backend only.
     """
     device = "cuda" if torch.cuda.is_available() else "cpu"
-    args = train.resolve(dataclasses.replace(args, m=args.n, rule=args.rule if args.rule != "none" else "max_variance"), device)
+    args = config.resolve(dataclasses.replace(args, m=args.n, rule=args.rule if args.rule != "none" else "max_variance"), device)
     torch.manual_seed(args.seed)
     rng = np.random.default_rng(args.seed)
-    model_name = train.pick_model(args, device)
-    model, tokenizer = train.load_trainable_policy(args, model_name, device)
-    stream = train.PromptStream(train.tokenize_examples(data.load_examples(args.dataset, "train", seed=args.seed), tokenizer, args.max_prompt_tokens), args.seed)
+    model_name = models.pick_model(args.model, device)
+    model, tokenizer = models.load_trainable_policy(model_name, device, args.lora_rank, args.lora_alpha, args.bf16_weights,
+                                                    args.gradient_checkpointing)
+    examples = data.load_examples(args.dataset, "train", seed=args.seed)
+    stream = data.PromptStream(examples, lambda question: sampling.build_prompt(tokenizer, question), args.max_prompt_tokens, args.seed)
     optimizer = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=args.lr)
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: 1.0)
     sampler = train.make_sampler(args, model, tokenizer, model_name, device)
     warm_up(sampler, model, optimizer, scheduler, stream, args, tokenizer.pad_token_id)
     ms = sorted({m for m in (args.n, args.n // 2, args.n // 4) if m >= 2}, reverse=True)
     shares = (False, True)
-    vllm = isinstance(sampler, sampling.VLLMSampler)
+    vllm = isinstance(sampler, vllm_sampler.VLLMSampler)
     generation_shares = (True,) if vllm else shares  # vLLM: generation once, always shared
     gaps = []  # the sampler/trainer log-prob gap of each repeat's first, on-policy update
     gen_s = {share: [] for share in shares}
@@ -130,12 +135,12 @@ def benchmark(args: train.Args, repeats: int = 2) -> list[dict]:
         tokens.append(sum(len(r.completion_ids) for r in rollouts))
         for m in ms:
             run = dataclasses.replace(args, m=m, rule="none" if m == args.n else args.rule)
-            kept_idx = train.select(scores, run, rng)
+            kept_idx = train.select(scores, run.rule, run.n, run.m, rng)
             advantages = grpo.group_advantages(scores[kept_idx].view(-1, m)).flatten()
             for share in shares:
                 start = time.perf_counter()
-                stats, peak = peak_memory_mb(lambda: train.policy_update(model, optimizer, scheduler, [rollouts[i] for i in kept_idx],
-                                                               advantages, dataclasses.replace(run, share_prompt=share), tokenizer.pad_token_id))
+                stats, peak = peak_memory_mb(lambda: policy_update(model, optimizer, scheduler, [rollouts[i] for i in kept_idx], advantages,
+                                                         train.update_settings(dataclasses.replace(run, share_prompt=share)), tokenizer.pad_token_id))
                 upd_s[m, share].append(time.perf_counter() - start)
                 mem_mb[m, share].append(peak)
                 if m == args.n and not share and "sampler_gap_mean" in stats:
@@ -215,7 +220,14 @@ def matmuls_ms(model, rows: int, repeats: int = 3) -> float:
 
 
 def main(argv: list[str] | None = None) -> int:
-    return train.main([*(sys.argv[1:] if argv is None else argv), "--benchmark"])
+    """train.py's flags (config.parse_args over train.Args); a bad one exits 2 with one line, as train.py's do."""
+    args = config.parse_args(train.Args, sys.argv[1:] if argv is None else argv, __doc__.split("\n")[0])
+    try:
+        benchmark(args)
+    except (config.UsageError, data.DataError, models.SetupError) as err:
+        print(f"error: {err}", file=sys.stderr)
+        return 2
+    return 0
 
 
 if __name__ == "__main__":

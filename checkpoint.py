@@ -10,12 +10,16 @@ A checkpoint is written into a hidden directory and renamed into place only when
 a kill -9 or a full disk during a save leaves the previous checkpoints as they were. A resumed run
 restores the adapter, optimizer, scheduler and random generators and drops the metrics rows after
 the checkpoint's step: those steps run again, drawing the same prompts and the same random numbers.
+
+--resume continues the same experiment: `continues` decides whether a run continues or starts, and
+`check_resume_config` refuses settings that would make it another experiment.
 """
 
 from __future__ import annotations
 
 import json
 import logging
+import os
 import random
 import shutil
 from pathlib import Path
@@ -23,6 +27,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
+import config
 import distributed
 
 log = logging.getLogger("pods")
@@ -125,3 +130,97 @@ def read_rows(path: Path) -> list[dict]:
 def drop_rows_after(path: Path, step: int) -> None:
     """On resume: keep the metrics rows up to the checkpoint's step; the steps after it run again."""
     path.write_text("".join(json.dumps(r) + "\n" for r in read_rows(path) if r["step"] <= step))
+
+
+# ----------------------------------------------------------------------------- --resume
+
+
+RESUME_MUST_MATCH = ("model", "dataset", "n", "m", "rule", "lora_rank", "lora_alpha", "prompts_per_step", "max_prompt_tokens", "seed")
+OPTIMIZER_SETTINGS = ("lr", "adam_beta1", "adam_beta2", "weight_decay")  # saved in the optimizer's state; --resume takes the command's
+
+
+def check_resume_config(out_dir: Path, args, world_size: int = 1) -> None:
+    """--resume continues the same experiment: settings that shape the adapter or the data must not
+    change, nor the number of processes. (The prompt order would survive another number: every rank
+    draws the same global stream and takes its share. But each rank's random state is saved for its
+    rank, and a rank that did not exist has none, so the run would not continue as it started.)
+    A change of precision (PRECISION_FLAGS, e.g. a run moved to a CPU without bfloat16 arithmetic,
+    whose defaults are float32) or of the optimizer's settings (OPTIMIZER_SETTINGS, e.g. a lower --lr
+    after non-finite updates: take_optimizer_settings) is allowed, with a warning."""
+    path = out_dir / "config.json"
+    if not path.exists():
+        return
+    saved = json.loads(path.read_text())
+
+    def differing(names: tuple[str, ...]) -> list[str]:  # those of `names` the run saved with another value
+        return [k for k in names if k in saved and saved[k] != getattr(args, k)]
+
+    def change(name: str) -> str:
+        return f"--{name.replace('_', '-')} {saved[name]} -> {getattr(args, name)}"
+
+    changed = [change(k) for k in differing(RESUME_MUST_MATCH)]
+    if changed:
+        raise config.UsageError(f"--resume with other settings than {path} ({', '.join(changed)}); pass the run's own values or choose another --out-dir")
+    switched = differing(config.PRECISION_FLAGS)
+    if switched:  # allowed (the same experiment), but not silently: e.g. a run moved to a CPU without bfloat16
+        was = " ".join(config.flag_text(k, saved[k]) for k in switched)
+        now = " ".join(config.flag_text(k, getattr(args, k)) for k in switched)
+        log.warning("--resume: %s trained with %s and continues with %s (this device's defaults or your flags): "
+                    "the steps from here compute in another precision; pass %s to keep the run's own", out_dir, was, now, was)
+    retuned = [change(k) for k in differing(OPTIMIZER_SETTINGS)]
+    if retuned:  # allowed (e.g. a lower --lr after non-finite updates), but not silently: a flag left out takes the default
+        log.warning("--resume: %s continues with other optimizer settings (%s); pass the run's own to keep them",
+                    out_dir, ", ".join(retuned))
+    trained_with = saved.get("world_size", 1)
+    if trained_with != world_size:
+        raise config.UsageError(f"--resume with {world_size} process(es), but {out_dir} was trained with {trained_with}: "
+                         f"each rank's random state is saved per rank; launch {trained_with} (torchrun --nproc_per_node) to continue it")
+
+
+def make_out_dir(out_dir: Path) -> None:
+    """--out-dir as a directory this process can write into, made before the model loads, so that a wrong
+    path costs nothing (a file of that name, a parent that is a file, no permission)."""
+    try:
+        out_dir.mkdir(parents=True, exist_ok=True)
+    except OSError as err:  # FileExistsError for a file of that name
+        raise config.UsageError(f"--out-dir {out_dir}: cannot make a directory there ({err.strerror}); choose another --out-dir") from None
+    if not os.access(out_dir, os.W_OK | os.X_OK):
+        raise config.UsageError(f"--out-dir {out_dir} is not writable; choose another --out-dir")
+
+
+def check_resumed_model(out_dir: Path, model_name: str) -> None:
+    """--resume with --model auto: the model it loaded is the one the run trained (auto falls back to
+    the embedded model where the hub is out of reach; the run's adapter fits only its own model)."""
+    path = out_dir / "config.json"
+    trained = json.loads(path.read_text()).get("model_resolved") if path.exists() else None
+    if trained and trained != model_name:
+        raise config.UsageError(f"--resume: {out_dir} trained {trained}, but this command loaded {model_name}; pass --model {trained}")
+
+
+def take_optimizer_settings(optimizer, scheduler, args) -> None:
+    """After --resume: the optimizer takes this command's --lr, --adam-beta1/2 and --weight-decay, as every
+    setting outside RESUME_MUST_MATCH follows the command line. (A restored optimizer and scheduler would
+    keep the first run's, whatever the command said.) The warm-up factor of the step reached applies to the
+    new --lr; check_resume_config has warned if the settings changed."""
+    scheduler.base_lrs = [args.lr for _ in optimizer.param_groups]
+    for group, factor in zip(optimizer.param_groups, scheduler.lr_lambdas):
+        group.update(lr=args.lr * factor(scheduler.last_epoch), initial_lr=args.lr,
+                     betas=(args.adam_beta1, args.adam_beta2), weight_decay=args.weight_decay)
+
+
+def continues(resume: str, out_dir: Path, found: list[Path]) -> bool:
+    """Whether this run continues the one in out_dir (--resume yes | auto | no), or refuses in one line.
+    `auto` is start-or-continue: a launcher that restarts failed workers re-runs the same command, so
+    the same flags must start the run the first time and continue it after a fault. A directory with
+    metrics but no checkpoint (a run that died before its first save) is started afresh under auto."""
+    has_metrics = (out_dir / "metrics.jsonl").exists()
+    if resume == "auto":
+        if not found and has_metrics:
+            log.info("--resume auto: %s has no checkpoint yet; starting afresh", out_dir)
+            (out_dir / "metrics.jsonl").unlink(missing_ok=True)
+        return bool(found)
+    if resume == "yes" and not found:
+        raise config.UsageError(f"--resume: no checkpoint-STEP directory in {out_dir} (--resume auto starts a run when there is none)")
+    if resume == "no" and (found or has_metrics):
+        raise config.UsageError(f"{out_dir} already holds a run; pass --resume to continue it or choose another --out-dir")
+    return resume == "yes"

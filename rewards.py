@@ -26,6 +26,14 @@ CORRECT_REWARD = 1.0  # a correct final answer
 STRUCTURE_REWARD = 0.1  # the whole completion is <think>...</think> <answer>...</answer>
 TAG_REWARD = 0.025  # each of the four tags present exactly once (0.1 for all four)
 TAGS = ("<think>", "</think>", "<answer>", "</answer>")
+# The system prompt of every rollout (chat_messages): it asks for the format format_reward checks.
+SYSTEM_PROMPT = (
+    "A conversation between User and Assistant. The user asks a question, and the Assistant "
+    "solves it. The Assistant first thinks about the reasoning process in the mind and then "
+    "provides the user with the answer. The reasoning process and answer are enclosed within "
+    "<think> </think> and <answer> </answer> tags, respectively, i.e., "
+    "<think> reasoning process here </think><answer> answer here </answer>."
+)
 
 MAX_NUMBER_CHARS = 64  # longer digit strings are not answers; also keeps int() within limits
 
@@ -34,11 +42,14 @@ _STRUCTURE = re.compile(r"^\s*<think>.*?</think>\s*<answer>.*?</answer>\s*$", re
 # A number: optional minus (not after a word character, so "5-3" reads as 5 and 3), digits
 # with optional thousands commas ("1,000" but not "1,2"), optional decimals, optional "/denominator"; or ".5".
 _NUMBER = re.compile(r"(?:(?<![\w)])-\s?)?(?:(?:\d{1,3}(?:,\d{3})+(?!\d)|\d+)(?:\.\d+)?(?:\s?/\s?\d+)?|\.\d+)")
+# A markdown bullet: "-" starting a line (after optional indentation) and followed by a space or tab.
+_BULLET = re.compile(r"^([ \t]*)-(?=[ \t])", re.MULTILINE)
 # LaTeX fractions: \frac{3}{4}, \dfrac{-1}{2}, \tfrac34 (one-digit arguments need no braces).
 _FRAC = re.compile(r"\\[dt]?frac\s*(?:\{\s*(-?\d+)\s*\}|(\d))\s*(?:\{\s*(\d+)\s*\}|(\d))")
 
 
 def _numbers(text: str) -> list[str]:
+    text = _BULLET.sub(r"\1", text)  # "\n- 72" is a list item, not -72
     text = _FRAC.sub(lambda f: f" {f[1] or f[2]}/{f[3] or f[4]}", text)  # the space keeps 2\frac{1}{2} from reading as 21/2
     text = text.replace("{,}", ",").replace("\\,", ",")  # LaTeX thousands separators: 1{,}000, 1\,000
     return _NUMBER.findall(text.replace("$", ""))
@@ -49,6 +60,9 @@ def normalize_number(s: str | None) -> str | None:
 
     Tolerates "$", thousands commas, "%", a trailing ".", units and words around the number, and
     LaTeX ("\\boxed{12}", "\\frac{3}{4}", "1{,}000").
+    A "- " that starts a line (or the text), after optional indentation, is a markdown bullet:
+    "\\n- 72" gives "72". Any other minus is a sign: "-72", "\\n-72", "x = -3" and "answer: - 3"
+    give negatives.
     "12.0" and "12" both give "12", "-3.50" gives "-3.5", "3/4" and "0.75" both give "0.75",
     "1/3" gives "1/3" (a fraction without a finite decimal stays a fraction).
     """
@@ -118,6 +132,11 @@ def correctness_reward(completion: str, answer: str) -> float:
     expected = normalize_number(answer)
     found = (normalize_number(extract_answer(completion)), normalize_number(completion))
     return CORRECT_REWARD if expected is not None and expected in found else 0.0
+
+
+def chat_messages(question: str) -> list[dict]:
+    """The chat a rollout answers: SYSTEM_PROMPT asking for <think>/<answer>, then the question."""
+    return [{"role": "system", "content": SYSTEM_PROMPT}, {"role": "user", "content": question}]
 
 
 def is_well_formatted(completion: str) -> bool:

@@ -16,12 +16,13 @@ import checkpoint
 import eval as evaluation  # eval.py; `eval` is a builtin name
 import sampling
 import train
+import update
 from testkit import checkpointed_lora_policy, engines_adapter_dirs_are_gone, length_reward, mixed_length_groups, on_cuda, read_metrics, tiny_args, torchrun, update_at_lr_0, vllm_build
 
 
 def lora_gradients(model, tokenizer, rollouts, advantages, share: bool) -> torch.Tensor:
     """update_at_lr_0's accumulated LoRA gradients, flattened, in float32, on the CPU (cleared after)."""
-    args = train.Args(micro_batch=4, share_prompt=share, bf16_autocast=False, max_grad_norm=1e9)
+    args = update.UpdateSettings(micro_batch=4, share_prompt=share, bf16_autocast=False, max_grad_norm=1e9)
     _, params = update_at_lr_0(model, rollouts, advantages.to(next(model.parameters()).device), args, tokenizer.pad_token_id)
     grads = torch.cat([p.grad.float().flatten().cpu() for p in params])
     for p in params:
@@ -40,12 +41,12 @@ def test_cuda_shared_prompt_logprobs_and_gradients_in_bfloat16_stay_within_bfloa
     advantages = torch.tensor([1.0, -0.5, -0.5, 0.7, -0.7, 0.3, -1.0, 0.2, 0.5])
     exact, tokenizer = checkpointed_lora_policy(tiny_model_dir, checkpointing, "cuda", torch.float32)
     exact.train()
-    truth, mask = train.completion_logprobs(exact, rollouts, 0.9, tokenizer.pad_token_id)
+    truth, mask = update.completion_logprobs(exact, rollouts, 0.9, tokenizer.pad_token_id)
     truth_grads = lora_gradients(exact, tokenizer, rollouts, advantages, share=False)
     model, _ = checkpointed_lora_policy(tiny_model_dir, checkpointing, "cuda", torch.bfloat16)
     model.train()
-    unshared, unshared_mask = train.completion_logprobs(model, rollouts, 0.9, tokenizer.pad_token_id)
-    shared, shared_mask = train.shared_prompt_logprobs(model, rollouts, 0.9, tokenizer.pad_token_id)
+    unshared, unshared_mask = update.completion_logprobs(model, rollouts, 0.9, tokenizer.pad_token_id)
+    shared, shared_mask = update.shared_prompt_logprobs(model, rollouts, 0.9, tokenizer.pad_token_id)
     assert torch.equal(mask, unshared_mask) and torch.equal(mask, shared_mask)
     error = {name: ((lp.float() - truth).abs() * mask).max().item() for name, lp in (("unshared", unshared), ("shared", shared))}
     grads = {share: lora_gradients(model, tokenizer, rollouts, advantages, share) for share in (False, True)}
@@ -67,7 +68,7 @@ def test_cuda_merged_bfloat16_sampler_matches_the_update_within_bfloat16_roundin
     assert all(p.device.type == "cuda" and p.dtype == torch.bfloat16 for p in sampler.model.parameters())
     torch.manual_seed(0)
     rollouts = [r for group in sampler.generate([[5, 6, 7, 8], [9, 10]], 4) for r in group]
-    args = train.Args(micro_batch=8, bf16_autocast=False, max_grad_norm=1e9, share_prompt=False)  # the GPU profile's
+    args = update.UpdateSettings(micro_batch=8, bf16_autocast=False, max_grad_norm=1e9, share_prompt=False)  # the GPU profile's
     stats, _ = update_at_lr_0(model, rollouts, torch.randn(len(rollouts), device="cuda"), args, tokenizer.pad_token_id)
     print(f"\ncuda sampler gap: mean {stats['sampler_gap_mean']:.2e}, max {stats['sampler_gap_max']:.2e}")
     assert 0 < stats["sampler_gap_mean"] < 0.005 and stats["sampler_gap_max"] < 0.05

@@ -18,6 +18,7 @@ import checkpoint
 import distributed
 import sampling
 import train
+import update
 from testkit import checkpointed_lora_policy, length_reward_script, lora_policy, read_metrics, tiny_args, torchrun
 
 
@@ -124,8 +125,8 @@ def update_on(model, rollouts, advantages, pad_id, beta: float = 0.0):
     params = [p for p in model.parameters() if p.requires_grad]
     optimizer = torch.optim.SGD(params, lr=0.5)
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: 1.0)
-    args = train.Args(micro_batch=2, bf16_autocast=False, max_grad_norm=1e9, beta=beta, share_prompt=True)  # the CPU profile's
-    stats = train.policy_update(model, optimizer, scheduler, rollouts, advantages, args, pad_id)
+    args = update.UpdateSettings(micro_batch=2, bf16_autocast=False, max_grad_norm=1e9, beta=beta, share_prompt=True)  # the CPU profile's
+    stats = update.policy_update(model, optimizer, scheduler, rollouts, advantages, args, pad_id)
     return stats, [p.detach().clone() for p in params], [p.grad.clone() for p in params]
 
 
@@ -146,7 +147,7 @@ def ddp_update_worker(rank: int, model_dir: str, port: int, out: str, beta: floa
     stats, weights, grads = update_on(model, rollouts, advantages, tokenizer.pad_token_id, beta)
     stats = distributed.reduce_row(stats, world, maxima=("sampler_gap_max",))
     torch.save({"stats": stats, "weights": weights, "grads": grads, "all_reduces": len(all_reduces),
-                "micro_batches": len(train.micro_batches(rollouts, 2))}, Path(out) / f"rank{rank}.pt")
+                "micro_batches": len(update.micro_batches(rollouts, 2))}, Path(out) / f"rank{rank}.pt")
     distributed.finish(world)
 
 

@@ -1,4 +1,4 @@
-"""The README and docs: every relative link resolves."""
+"""The README, docs and reproduce/README.md: every relative link resolves."""
 
 from __future__ import annotations
 
@@ -16,7 +16,7 @@ def test_every_relative_link_in_the_readme_and_docs_resolves():
 
     root = Path(__file__).parent
     broken = []
-    for page in [root / "README.md", *sorted((root / "docs").glob("*.md"))]:
+    for page in [root / "README.md", *sorted((root / "docs").glob("*.md")), root / "reproduce" / "README.md"]:
         for target in re.findall(r"\]\(([^)\s]+)\)", page.read_text()):
             path, _, anchor = target.partition("#")
             if re.match(r"[a-z]+:", path):
@@ -25,4 +25,4 @@ def test_every_relative_link_in_the_readme_and_docs_resolves():
             if not dest.exists() or (anchor and dest.suffix == ".md" and anchor not in anchors(dest)):
                 broken.append(f"{page.relative_to(root)}: {target}")
     assert broken == []
-    assert "the-result-15-minutes-a-run" in anchors(root / "docs" / "cpu-reproduction.md")  # the slugging itself
+    assert "the-result-15-minutes-a-run" in anchors(root / "reproduce" / "README.md")  # the slugging itself

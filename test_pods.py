@@ -211,6 +211,25 @@ def test_normalize_number(text, expected):
     assert rewards.normalize_number(text) == expected
 
 
+@pytest.mark.parametrize("text, expected", [
+    ("\n- 72", "72"), ("- 72", "72"), ("Total:\n  - 72 clips", "72"), ("a\n\t-\t72", "72"), ("\n- -3", "-3"),
+    ("-72", "-72"), ("\n-72", "-72"), ("x = -3", "-3"), ("answer: - 3", "-3"), ("The answer is -72", "-72"),
+])
+def test_a_dash_starting_a_line_is_a_bullet_and_any_other_minus_a_sign(text, expected):
+    assert rewards.normalize_number(text) == expected
+
+
+@pytest.mark.parametrize("completion, answer, expected", [
+    ("<think>...</think><answer>\n- 72\n</answer>", "72", FULL),
+    ("The answer:\n- 72 clips", "72", 1.0),
+    ("The answer is -72", "-72", 1.0),
+    ("The answer is -72", "72", 0.0),
+    ("<think>...</think><answer>x = -3</answer>", "-3", FULL),
+])
+def test_a_markdown_bullet_before_the_answer_is_not_read_as_a_minus_sign(completion, answer, expected):
+    assert rewards.reward(completion, answer) == pytest.approx(expected)
+
+
 def test_extract_answer_prefers_the_last_answer_tag_then_the_last_number():
     assert rewards.extract_answer("<answer>1</answer> then <answer> 2 </answer>") == "2"
     assert rewards.extract_answer("it is 3, no 4") == "4"
@@ -266,6 +285,35 @@ def test_group_advantages_hand_computed():
 def test_group_advantages_rejects_groups_of_one():
     with pytest.raises(ValueError, match="m >= 2"):
         grpo.group_advantages(torch.tensor([[1.0], [0.0]]))
+
+
+@pytest.mark.parametrize("reward, m", [(1.2, 16), (1.05, 8), (0.2, 32)])
+def test_group_advantages_are_exactly_zero_for_a_group_of_equal_float32_rewards(reward, m):
+    # float32's mean and std round: the formula gave 1.19e-3 to each rollout of [1.2] * 16
+    assert torch.equal(grpo.group_advantages(torch.tensor([[reward] * m])), torch.zeros(1, m))
+
+
+@settings(max_examples=300, deadline=None)
+@given(st.integers(2, 64), st.floats(allow_nan=False, allow_infinity=False, width=32))
+def test_any_group_of_equal_float32_rewards_gets_advantages_exactly_zero(m, reward):
+    assert torch.equal(grpo.group_advantages(torch.full((1, m), reward)), torch.zeros(1, m))
+
+
+@settings(max_examples=300, deadline=None)
+@given(st.lists(st.floats(-10, 10, width=32), min_size=2, max_size=64).filter(lambda r: len(set(r)) > 1))
+def test_group_advantages_of_a_mixed_group_are_the_formula(values):
+    r = torch.tensor([values])
+    expected = (r - r.mean(dim=1, keepdim=True)) / (r.std(dim=1, keepdim=True) + 1e-4)
+    assert torch.equal(grpo.group_advantages(r), expected)
+
+
+def test_a_group_one_float32_step_from_uniform_is_normalized_not_zeroed():
+    r = torch.tensor([[1.2, 1.2, 1.2, 1.2], [1.2, 1.2, 1.2, 1.2]])
+    r[1, 3] = torch.nextafter(r[1, 3], torch.tensor(2.0))  # one ulp above 1.2
+    adv = grpo.group_advantages(r, eps=0.0)
+    assert torch.equal(adv[0], torch.zeros(4))  # 0, not 0 / 0
+    formula = (r - r.mean(dim=1, keepdim=True)) / r.std(dim=1, keepdim=True)
+    assert torch.equal(adv[1], formula[1]) and adv[1].ne(0).any()  # as before, however float32 rounds it
 
 
 def test_token_logprobs_matches_log_softmax():

@@ -8,13 +8,14 @@ from pathlib import Path
 import pytest
 import torch
 
+import model as models
 import sampling
 from testkit import lora_policy
 
 
 def test_computes_bfloat16_takes_a_torch_device_as_well_as_its_name():
-    assert sampling.computes_bfloat16(torch.device("cpu")) == sampling.computes_bfloat16("cpu")
-    assert sampling.computes_bfloat16(torch.device("cuda", 0)) and sampling.computes_bfloat16("cuda:0")
+    assert models.computes_bfloat16(torch.device("cpu")) == models.computes_bfloat16("cpu")
+    assert models.computes_bfloat16(torch.device("cuda", 0)) and models.computes_bfloat16("cuda:0")
 
 
 def test_computes_bfloat16_reads_what_the_cpu_reports():
@@ -23,8 +24,8 @@ def test_computes_bfloat16_reads_what_the_cpu_reports():
     if not cpuinfo.exists():
         pytest.skip("no /proc/cpuinfo (not Linux)")
     flags = set(re.search(r"^flags\s*:(.*)$", cpuinfo.read_text(), re.M).group(1).split())
-    assert sampling.computes_bfloat16("cpu") == bool(flags & {"avx512_bf16", "amx_bf16"})
-    assert sampling.computes_bfloat16("cuda")
+    assert models.computes_bfloat16("cpu") == bool(flags & {"avx512_bf16", "amx_bf16"})
+    assert models.computes_bfloat16("cuda")
 
 
 def test_shared_prefill_generates_the_same_tokens_as_prefilling_each_rollout(tiny_model_dir):
@@ -78,7 +79,7 @@ def test_merged_copy_holds_the_current_adapter_after_update_weights_and_the_base
     assert buffers and all(b.dtype == torch.float32 for b in buffers)  # as in a model loaded in bfloat16
     with model.disable_adapter():
         sampler.update_weights(model)
-    base = sampling.load_policy(str(tiny_model_dir), "cpu", dtype)[0].state_dict()
+    base = models.load_policy(str(tiny_model_dir), "cpu", dtype)[0].state_dict()
     assert all(torch.equal(sampler.model.state_dict()[k], v) for k, v in base.items())
 
 

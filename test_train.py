@@ -22,7 +22,10 @@ import pytest
 import torch
 
 import checkpoint
+import config
 import data
+import model as models
+import progress
 import sampling
 import train
 from testkit import length_reward, length_reward_script, lora_policy, read_metrics, tiny_args
@@ -126,9 +129,9 @@ def test_resume_on_a_cpu_of_the_other_kind_warns_that_the_precision_changes(tiny
     own precision; resumed with those flags, it says nothing."""
     monkeypatch.setattr(train.rewards, "reward", length_reward)
     out = tmp_path / "run"
-    monkeypatch.setattr(sampling, "computes_bfloat16", lambda device: True)
+    monkeypatch.setattr(models, "computes_bfloat16", lambda device: True)
     assert train.main(tiny_args(tiny_model_dir, out, "--steps", "1")) == 0
-    monkeypatch.setattr(sampling, "computes_bfloat16", lambda device: device != "cpu")
+    monkeypatch.setattr(models, "computes_bfloat16", lambda device: device != "cpu")
     assert train.main(tiny_args(tiny_model_dir, out, "--steps", "2", "--resume", "--bf16-autocast", "--merged-sampler")) == 0
     assert "another precision" not in caplog.text  # (only the warning that bfloat16 is slow here)
     assert train.main(tiny_args(tiny_model_dir, out, "--steps", "3", "--resume")) == 0
@@ -146,7 +149,7 @@ def test_default_command_on_a_cpu_takes_the_built_in_task_without_touching_the_n
     that would emulate it (an AVX2 laptop), where bfloat16 made a step ~12x slower."""
     import socket
 
-    monkeypatch.setattr(sampling, "computes_bfloat16", lambda device: bf16_cpu or device != "cpu")
+    monkeypatch.setattr(models, "computes_bfloat16", lambda device: bf16_cpu or device != "cpu")
 
     def no_network(*args, **kwargs):
         raise AssertionError("the network was touched")
@@ -169,15 +172,15 @@ def test_default_command_on_a_cpu_takes_the_built_in_task_without_touching_the_n
 
 
 def test_bfloat16_forced_on_a_cpu_that_emulates_it_is_kept_with_a_warning_and_the_gpu_profile_is_unchanged(monkeypatch, caplog):
-    monkeypatch.setattr(sampling, "computes_bfloat16", lambda device: device != "cpu")
+    monkeypatch.setattr(models, "computes_bfloat16", lambda device: device != "cpu")
     with caplog.at_level(logging.WARNING, logger="pods"):
-        forced = train.resolve(train.parse_args(["--bf16-autocast"]), "cpu")
-    assert forced.bf16_autocast is True and forced.merged_sampler is True and train.merged_dtype(forced) == torch.bfloat16
-    assert train.merged_dtype(train.resolve(train.parse_args([]), "cpu")) == torch.float32  # the default there
-    line = train.start_line(forced, "m", types.SimpleNamespace(merged=True, merged_dtype=torch.bfloat16), Path("out"), "cpu")
+        forced = config.resolve(config.parse_args(train.Args, ["--bf16-autocast"]), "cpu")
+    assert forced.bf16_autocast is True and forced.merged_sampler is True and config.merged_dtype(forced) == torch.bfloat16
+    assert config.merged_dtype(config.resolve(config.parse_args(train.Args, []), "cpu")) == torch.float32  # the default there
+    line = progress.start_line(forced, "m", types.SimpleNamespace(merged=True, merged_dtype=torch.bfloat16), Path("out"), "cpu")
     assert "with transformers (a bfloat16 copy, LoRA merged) generation" in line  # it computes bfloat16: not called float32
     assert "--bf16-autocast on a CPU that emulates bfloat16 (no AVX-512 BF16 or AMX): steps are several times slower" in caplog.text
-    gpu = train.resolve(train.parse_args([]), "cuda")
+    gpu = config.resolve(config.parse_args(train.Args, []), "cuda")
     assert (gpu.bf16_autocast, gpu.bf16_weights, gpu.merged_sampler) == (False, True, True)
 
 
@@ -197,8 +200,8 @@ def test_gsm8k_with_no_hub_fails_at_once_with_what_to_pass(monkeypatch):
 @pytest.mark.parametrize("budget, state, total, position", [(5.0, {"step": 7, "elapsed_s": 90.0}, 5.0, 1.5),
                                                             (0.0, {"step": 7, "elapsed_s": 90.0}, 100, 7)])
 def test_progress_bar_counts_minutes_under_a_time_budget_and_steps_otherwise(budget, state, total, position):
-    args = train.resolve(train.Args(time_budget=budget), "cpu")
-    bar = train.progress_bar(args, state)
+    args = config.resolve(train.Args(time_budget=budget), "cpu")
+    bar = progress.progress_bar(args, state)
     try:
         assert (bar.total, bar.n) == (total, position)
     finally:
@@ -278,15 +281,15 @@ def test_auto_model_that_cannot_load_stops_in_one_line_instead_of_training_anoth
 
     def hub_unreachable(model, device, dtype):
         loaded.append(model)
-        raise sampling.SetupError(f"could not load model {model!r} (no hub); with no model hub, pass a local directory "
-                                  f"with --model or use --model {sampling.EMBEDDED}")
+        raise models.SetupError(f"could not load model {model!r} (no hub); with no model hub, pass a local directory "
+                                  f"with --model or use --model {models.EMBEDDED}")
 
-    monkeypatch.setattr(train, "pick_model", lambda args, device: train.GPU_MODEL)  # what auto picks on a GPU
-    monkeypatch.setattr(sampling, "load_policy", hub_unreachable)
+    monkeypatch.setattr(train, "pick_model", lambda model, device: models.GPU_MODEL)  # what auto picks on a GPU
+    monkeypatch.setattr(models, "load_policy", hub_unreachable)
     assert train.main(["--dataset", "arith", "--steps", "1", "--out-dir", str(tmp_path / "run")]) == 2
     err = capsys.readouterr().err.strip()
-    assert err == f"error: could not load model '{train.GPU_MODEL}' (no hub); with no model hub, pass a local directory with --model or use --model embedded"
-    assert loaded == [train.GPU_MODEL]  # not followed by the embedded model
+    assert err == f"error: could not load model '{models.GPU_MODEL}' (no hub); with no model hub, pass a local directory with --model or use --model embedded"
+    assert loaded == [models.GPU_MODEL]  # not followed by the embedded model
 
 
 @pytest.mark.parametrize("make_path", [lambda tmp: tmp / "a-file", lambda tmp: tmp / "a-file" / "run"])
@@ -328,36 +331,45 @@ def test_embedded_model_trains_one_step_on_arithmetic(tmp_path):
 
 
 def test_prompt_stream_is_a_permutation_per_epoch_and_resumable():
-    prompts = [([i], str(i)) for i in range(5)]
-    stream = train.PromptStream(prompts, seed=3)
+    examples = [data.Example(str(i), str(i)) for i in range(5)]
+    stream = data.PromptStream(examples, lambda question: [int(question)], max_tokens=10, seed=3)
     first = [p[1] for p in stream.next_batch(5)]
-    assert sorted(first) == ["0", "1", "2", "3", "4"]
+    assert sorted(first) == ["0", "1", "2", "3", "4"] and all(ids == [int(answer)] for ids, answer in stream.next_batch(5))
     later = [p[1] for p in stream.next_batch(4)]
-    resumed = train.PromptStream(prompts, seed=3, position=5)
+    resumed = data.PromptStream(examples, lambda question: [int(question)], max_tokens=10, seed=3, position=10)
     assert [p[1] for p in resumed.next_batch(4)] == later
 
 
+def test_prompt_stream_skips_prompts_over_the_token_limit_and_says_so_when_none_fits():
+    examples = [data.Example(str(i), str(i)) for i in range(6)]
+    stream = data.PromptStream(examples, lambda question: [0] * int(question), max_tokens=2, seed=0)  # "i" is i tokens long
+    drawn = [answer for _, answer in stream.next_batch(6)]
+    assert sorted(drawn) == ["0", "0", "1", "1", "2", "2"] and stream.position == 12  # two epochs, the long half skipped
+    with pytest.raises(data.DataError, match="every prompt is longer than --max-prompt-tokens 5; raise it"):
+        data.PromptStream(examples[3:], lambda question: [0] * 9, max_tokens=5, seed=0).next_batch(1)
+
+
 def gpu_profile_flags(**overrides) -> list[str]:
-    """train.py flags that set every value of the GPU profile (train.PROFILES["gpu"]), some overridden."""
+    """train.py flags that set every value of the GPU profile (config.PROFILES["gpu"]), some overridden."""
     flags = []
-    for name, value in (train.PROFILES["gpu"] | overrides).items():
+    for name, value in (config.PROFILES["gpu"] | overrides).items():
         flag = "--" + name.replace("_", "-")
         flags += [flag if value else "--no-" + flag[2:]] if isinstance(value, bool) else [flag, str(value)]
     return flags
 
 
 def test_resolve_on_a_gpu_gives_the_authors_single_gpu_configuration():
-    args = train.resolve(train.Args(), "cuda")
+    args = config.resolve(train.Args(), "cuda")
     assert (args.prompts_per_step, args.max_new_tokens, args.lr, args.lora_rank, args.lora_alpha, args.micro_batch, args.steps) == \
         (1, 512, 5e-6, 64, 64, 4, 1000)
     assert args.gradient_checkpointing and args.bf16_weights and not args.bf16_autocast
-    assert not args.share_prompt and train.resolve(train.Args(share_prompt=True), "cuda").share_prompt  # per row unless asked
-    assert args.dataset == "gsm8k" and train.pick_model(args, "cuda") == "Qwen/Qwen2.5-3B-Instruct"
+    assert not args.share_prompt and config.resolve(train.Args(share_prompt=True), "cuda").share_prompt  # per row unless asked
+    assert args.dataset == "gsm8k" and models.pick_model(args.model, "cuda") == "Qwen/Qwen2.5-3B-Instruct"
     assert (args.adam_beta1, args.adam_beta2, args.weight_decay, args.max_grad_norm, args.warmup_ratio, args.temperature) == \
         (0.9, 0.99, 0.1, 0.1, 0.01, 0.9)
-    cpu = train.resolve(train.Args(), "cpu")
+    cpu = config.resolve(train.Args(), "cpu")
     assert not cpu.gradient_checkpointing and not cpu.bf16_weights and cpu.share_prompt and cpu.dataset == "arith"
-    assert cpu.bf16_autocast is sampling.computes_bfloat16("cpu") and cpu.merged_sampler  # float32 where bfloat16 is emulated
+    assert cpu.bf16_autocast is models.computes_bfloat16("cpu") and cpu.merged_sampler  # float32 where bfloat16 is emulated
 
 
 def test_gpu_profile_dress_rehearsal_on_a_cpu_trains_saves_and_resumes(tiny_model_dir, tmp_path, monkeypatch):
@@ -372,7 +384,7 @@ def test_gpu_profile_dress_rehearsal_on_a_cpu_trains_saves_and_resumes(tiny_mode
         policy = train.distributed.unwrap(model)
         base = policy.get_base_model()
         lora = [p for name, p in policy.named_parameters() if "lora_" in name]
-        seen.append((train.is_checkpointing(policy), base.model.layers[0].mlp.down_proj.base_layer.weight.dtype,
+        seen.append((models.is_checkpointing(policy), base.model.layers[0].mlp.down_proj.base_layer.weight.dtype,
                      {p.dtype for p in lora}, len(lora)))
         return original(model, *args, **kwargs)
 
@@ -382,11 +394,11 @@ def test_gpu_profile_dress_rehearsal_on_a_cpu_trains_saves_and_resumes(tiny_mode
     assert train.main([*argv, *gpu_profile_flags(steps=2, max_new_tokens=8)]) == 0
     n_lora = 2 * 7 * 2  # A and B on seven projections in each of the two layers
     assert seen == [(True, torch.bfloat16, {torch.float32}, n_lora)] * 2
-    config = json.loads((out / "config.json").read_text())
-    assert {k: config[k] for k in train.PROFILES["gpu"]} == train.PROFILES["gpu"] | {"steps": 2, "max_new_tokens": 8}
+    saved = json.loads((out / "config.json").read_text())
+    assert {k: saved[k] for k in config.PROFILES["gpu"]} == config.PROFILES["gpu"] | {"steps": 2, "max_new_tokens": 8}
     assert [p.name for p in checkpoint.find(out)] == ["checkpoint-2"]
     adapter = json.loads((out / "checkpoint-2" / "adapter_config.json").read_text())
-    assert adapter["r"] == 64 and adapter["lora_alpha"] == 64 and sorted(adapter["target_modules"]) == sorted(train.LORA_TARGETS)
+    assert adapter["r"] == 64 and adapter["lora_alpha"] == 64 and sorted(adapter["target_modules"]) == sorted(models.LORA_TARGETS)
     rows = read_metrics(out)
     assert [r["step"] for r in rows] == [1, 2] and all(math.isfinite(r["loss"]) and math.isfinite(r["grad_norm"]) for r in rows)
 
@@ -399,9 +411,9 @@ def test_activation_checkpointing_is_switched_on_by_the_name_this_transformers_h
     import transformers
 
     model, _ = lora_policy(tiny_model_dir)
-    assert not train.is_checkpointing(model)
-    train.enable_activation_checkpointing(model)
-    assert train.is_checkpointing(model)
+    assert not models.is_checkpointing(model)
+    models.enable_activation_checkpointing(model)
+    assert models.is_checkpointing(model)
     renamed = hasattr(transformers.PreTrainedModel, "activation_checkpointing_enable")
     assert renamed == (tuple(int(x) for x in transformers.__version__.split(".")[:2]) >= (5, 23))
 
@@ -528,8 +540,10 @@ def test_every_training_flag_reaches_the_run(tiny_model_dir, tmp_path, monkeypat
     other_seed = tmp_path / "seed0"
     assert train.main(tiny_args(tiny_model_dir, other_seed, "--steps", "1")) == 0
     assert json.loads((other_seed / "checkpoint-1" / "trainer_state.json").read_text())["data_position"] == 2
+    tokenizer = models.load_policy(str(tiny_model_dir), "cpu", torch.float32)[1]
+    stream = data.PromptStream(data.load_examples("arith", "train")[:3], lambda q: sampling.build_prompt(tokenizer, q), 5, seed=0)
     with pytest.raises(data.DataError, match="every prompt is longer than --max-prompt-tokens 5"):
-        train.tokenize_examples(data.load_examples("arith", "train")[:3], sampling.load_policy(str(tiny_model_dir), "cpu", torch.float32)[1], 5)
+        stream.next_batch(1)
 
 
 @pytest.mark.parametrize("bf16_cpu", [True, False], ids=["cpu-with-bfloat16", "cpu-without-bfloat16"])
@@ -538,7 +552,7 @@ def test_benchmark_runs_for_small_n_and_leaves_out_m_below_2(tiny_model_dir, cap
     on either kind of CPU: a merged bfloat16 copy samples slightly off the update's float32 log-probs, a float32 copy does not."""
     import benchmark
 
-    monkeypatch.setattr(sampling, "computes_bfloat16", lambda device: bf16_cpu)
+    monkeypatch.setattr(models, "computes_bfloat16", lambda device: bf16_cpu)
 
     assert benchmark.main(["--model", str(tiny_model_dir), "--dataset", "arith", "--n", "4", "--prompts-per-step", "2",
                        "--max-new-tokens", "4", "--lora-rank", "4"]) == 0

@@ -8,21 +8,24 @@ from __future__ import annotations
 
 import json
 import os
-from collections import Counter
+from collections import Counter, defaultdict
 from pathlib import Path
+from types import SimpleNamespace
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")  # no model hub: every model here is a local directory
 os.environ.setdefault("HF_DATASETS_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
 
+import numpy as np
 import pytest
 import torch
 
 import eval as evaluation  # eval.py; `eval` is a builtin name
 import grpo
+import model as models
 import pods
 import sampling
-import train
+import update
 from testkit import on_cuda, torchrun  # fixtures (the tiny random Llama, no GPU unless marked cuda) come from conftest.py
 
 pytestmark = [
@@ -79,7 +82,7 @@ def make_trainer(trl_pods, model_dir, out_dir, m=M, reward_funcs=None, varied_le
         stops = range(1000, 1000 + model.config.vocab_size // 8)  # so make 1 token in 8 one
         model.generation_config.eos_token_id = [model.generation_config.eos_token_id, *stops]
     # init_lora_weights=False: both LoRA factors random, so both get a non-zero gradient to compare
-    lora = LoraConfig(r=4, lora_alpha=8, lora_dropout=0.0, target_modules=train.LORA_TARGETS, task_type="CAUSAL_LM",
+    lora = LoraConfig(r=4, lora_alpha=8, lora_dropout=0.0, target_modules=models.LORA_TARGETS, task_type="CAUSAL_LM",
                       init_lora_weights=False)
     trainer = trainer or trl_pods.PODSGRPOTrainer
     return trainer(model=model, reward_funcs=list(reward_funcs or (trl_pods.task_reward, length_reward)),
@@ -245,7 +248,7 @@ def test_one_batch_keeps_m_rows_per_prompt_with_kept_advantages_and_grpo_loss_gr
     kept_rollouts = [sampling.Rollout(p[pm.bool()].tolist(), c[cm.bool()].tolist(), "", False)
                      for p, pm, c, cm in zip(kept["prompt_ids"], kept["prompt_mask"], kept["completion_ids"], kept["completion_mask"])]
     model.zero_grad()
-    logprobs, mask = train.completion_logprobs(model, kept_rollouts, trainer.temperature, pad_id)
+    logprobs, mask = update.completion_logprobs(model, kept_rollouts, trainer.temperature, pad_id)
     loss, _ = grpo.grpo_loss(logprobs, logprobs.detach(), kept["advantages"], mask)
     loss.backward()
     assert trl_loss == pytest.approx(loss.item(), abs=1e-6)
@@ -259,12 +262,78 @@ def test_one_batch_keeps_m_rows_per_prompt_with_kept_advantages_and_grpo_loss_gr
         compute_loss(model, inputs).backward()
     dapo_grads = trainable_grads(model)
     model.zero_grad()
-    logprobs, mask = train.completion_logprobs(model, kept_rollouts, trainer.temperature, pad_id)
+    logprobs, mask = update.completion_logprobs(model, kept_rollouts, trainer.temperature, pad_id)
     per_token = -torch.exp(logprobs - logprobs.detach()) * kept["advantages"].unsqueeze(1)  # rho = 1, nothing clipped
     ((per_token * mask).sum() / mask.sum()).backward()
     for name, grad in trainable_grads(model).items():
         torch.testing.assert_close(dapo_grads[name], grad, rtol=1e-4, atol=1e-6, msg=name)
     assert not all(torch.allclose(dapo_grads[name], grad, rtol=1e-2) for name, grad in trl_grads.items())  # the two differ
+
+
+def one_process_trainer(n: int, m: int) -> SimpleNamespace:
+    """What PODSGRPOTrainer.downsample_batch reads of its trainer, on one process."""
+    return SimpleNamespace(num_generations=n, m=m, rule="max_variance", selection_rng=lambda: None,
+                           accelerator=SimpleNamespace(gather=lambda t: t), _metrics={"train": defaultdict(list)})
+
+
+def test_pods_reward_std_is_the_std_of_all_kept_rewards_as_trls_reward_std_is_of_all_rewards(trl_pods):
+    trainer = one_process_trainer(n=4, m=2)
+    r = torch.tensor([0.0, 1.0, 0.5, 1.0, 2.0, 2.0, 2.0, 2.0])  # max_variance keeps [0, 1] and [2, 2]
+    batch = {"completion_mask": torch.ones(8, 3, dtype=torch.long), "advantages": torch.zeros(8)}
+    trl_pods.PODSGRPOTrainer.downsample_batch(trainer, batch, r)
+    logged = {key: values[-1] for key, values in trainer._metrics["train"].items()}
+    # trl 1.16.0 logs reward_std = nanstd(rewards), the sample std of the batch's rewards pooled, not a mean of group stds
+    assert logged["pods/reward_std"] == pytest.approx(float(np.std([0, 1, 2, 2], ddof=1)))  # 0.9574; within groups: 0.354
+    assert logged["pods/group_reward_std"] == pytest.approx((float(np.std([0, 1], ddof=1)) + 0.0) / 2)  # 0.354, train.py's kept_reward_std
+    assert logged["pods/reward"] == pytest.approx(1.25)
+    assert logged["pods/frac_reward_zero_std"] == 0.5  # the [2, 2] group
+
+
+def test_num_items_in_batch_counts_the_kept_rows_loss_mask_with_truncated_rows_zeroed_as_trl_does(trl_pods):
+    # trl 1.16.0 with mask_truncated_completions zeroes a truncated row's completion_mask and tool_mask, then counts
+    # completion_mask * tool_mask (grpo_trainer.py 2487-2498): the masks it returns are the ones it counted
+    trainer = one_process_trainer(n=4, m=2)
+    completion_mask = torch.tensor([[1, 1, 0], [0, 0, 0], [1, 1, 1], [1, 0, 0],  # row 1 truncated, zeroed by TRL
+                                    [1, 1, 1], [1, 1, 0], [0, 0, 0], [1, 0, 0]])  # row 6 truncated
+    tool_mask = torch.ones(8, 3, dtype=torch.long)
+    tool_mask[4, 1] = 0  # a tool's output inside row 4
+    batch = {"completion_mask": completion_mask, "tool_mask": tool_mask, "advantages": torch.zeros(8),
+             "num_items_in_batch": (completion_mask * tool_mask).sum()}
+    r = torch.tensor([0.0, 1.0, 0.5, 0.5, 0.0, 0.2, 1.0, 0.4])  # keeps rows 0, 1 and 4, 6
+    kept = trl_pods.PODSGRPOTrainer.downsample_batch(trainer, batch, r)
+    assert int(kept["num_items_in_batch"]) == 2 + 0 + 2 + 0  # row 4's tool token and the truncated rows count nothing
+
+
+def test_with_truncated_completions_masked_pods_counts_and_logs_what_trl_does_for_the_same_rows(trl_pods, tiny_model_dir, tmp_path,
+                                                                                                 monkeypatch):
+    """Keeping every rollout (m = n), num_items_in_batch and the pods/ statistics are TRL's own for that batch;
+    keeping m < n, the count is TRL's loss mask summed over the kept rows."""
+    trainer = make_trainer(trl_pods, tiny_model_dir, tmp_path, m=N, varied_lengths=True, mask_truncated_completions=True)
+    seen = {}
+    downsample_batch = trainer.downsample_batch
+
+    def spy(batch, rewards):
+        seen.update(full=batch, rewards=rewards)
+        return downsample_batch(batch, rewards)
+
+    monkeypatch.setattr(trainer, "downsample_batch", spy)
+    trainer.model.train()
+    kept = trainer._generate_and_score_completions(next(iter(trainer.get_train_dataloader())))
+    full, r = seen["full"], seen["rewards"]
+    eos_and_pad = [*trainer.eos_token_ids, trainer.processing_class.pad_token_id]
+    truncated = torch.tensor([ids[-1].item() not in eos_and_pad for ids in full["completion_ids"]])  # TRL's test
+    assert 0 < int(truncated.sum()) < len(truncated), "the batch needs truncated and finished completions"
+    assert not full["completion_mask"][truncated].any() and full["completion_mask"][~truncated].any(dim=1).all()
+
+    assert int(kept["num_items_in_batch"]) == int(full["num_items_in_batch"]) == int(full["completion_mask"].sum())
+    logged = {key: values[-1] for key, values in trainer._metrics["train"].items()}
+    for name in ("reward", "reward_std", "frac_reward_zero_std"):
+        assert logged[f"pods/{name}"] == pytest.approx(logged[name], abs=1e-6), name
+
+    trainer.m = M
+    picked = pods.downsample(r, M, "max_variance", group_size=N)
+    kept = downsample_batch(full, r)
+    assert int(kept["num_items_in_batch"]) == int(full["completion_mask"][picked].sum())
 
 
 # ----------------------------------------------------------------------------- a short training run, evaluated by eval.py
@@ -384,7 +453,7 @@ def test_cuda_a_gpu_users_config_trains_in_bfloat16_keeps_m_rows_and_its_adapter
             seen.append((rewards.detach().clone(), kept["advantages"].detach().clone(), kept["completion_ids"].device))
             return kept
 
-    lora = LoraConfig(r=4, lora_alpha=8, lora_dropout=0.0, target_modules=train.LORA_TARGETS, task_type="CAUSAL_LM")
+    lora = LoraConfig(r=4, lora_alpha=8, lora_dropout=0.0, target_modules=models.LORA_TARGETS, task_type="CAUSAL_LM")
     config = grpo_config(tmp_path / "trl", use_cpu=False, bf16=True, activation_checkpointing=True, max_steps=2)
     trainer = Spy(model=str(tiny_model_dir), reward_funcs=[trl_pods.task_reward, length_reward], args=config,
                   train_dataset=trl_pods.task_dataset("arith", count=16), peft_config=lora, m=M)

@@ -5,8 +5,10 @@ from __future__ import annotations
 import pytest
 import torch
 
+import model as models
 import sampling
 import train
+import update
 from testkit import checkpointed_lora_policy, length_reward, lora_policy, mixed_length_groups, read_metrics, tiny_args, update_at_lr_0
 
 
@@ -34,8 +36,8 @@ def test_only_the_kept_rollouts_enter_the_update(tiny_model_dir, tmp_path, monke
             return original(model, rollouts, *args)
         return logprobs
 
-    monkeypatch.setattr(train, "completion_logprobs", counting(train.completion_logprobs))
-    monkeypatch.setattr(train, "shared_prompt_logprobs", counting(train.shared_prompt_logprobs))
+    monkeypatch.setattr(update, "completion_logprobs", counting(update.completion_logprobs))
+    monkeypatch.setattr(update, "shared_prompt_logprobs", counting(update.shared_prompt_logprobs))
     argv = tiny_args(tiny_model_dir, tmp_path / "run", "--steps", "2", "--rule", rule, "--m", str(m), share)
     assert train.main(argv) == 0
     assert sum(rollouts_seen) == 2 * rows_per_step
@@ -46,10 +48,10 @@ def test_micro_batches_keep_prompt_groups_together_and_split_only_large_ones():
     def kept(*group_sizes):
         return [sampling.Rollout([g], [1], "", False) for g, size in enumerate(group_sizes) for _ in range(size)]
 
-    assert train.micro_batches(kept(2, 2, 2), 4) == [[0, 1, 2, 3], [4, 5]]
-    assert train.micro_batches(kept(3, 3), 4) == [[0, 1, 2], [3, 4, 5]]  # not [0..3], [4, 5]: each prompt once
-    assert train.micro_batches(kept(6, 1), 4) == [[0, 1, 2, 3], [4, 5, 6]]
-    assert train.prompt_groups(kept(2, 1, 3)) == [[0, 1], [2], [3, 4, 5]]
+    assert update.micro_batches(kept(2, 2, 2), 4) == [[0, 1, 2, 3], [4, 5]]
+    assert update.micro_batches(kept(3, 3), 4) == [[0, 1, 2], [3, 4, 5]]  # not [0..3], [4, 5]: each prompt once
+    assert update.micro_batches(kept(6, 1), 4) == [[0, 1, 2, 3], [4, 5, 6]]
+    assert update.prompt_groups(kept(2, 1, 3)) == [[0, 1], [2], [3, 4, 5]]
 
 
 @pytest.mark.parametrize("checkpointing", [False, True])
@@ -57,8 +59,8 @@ def test_shared_prompt_logprobs_equal_the_unshared_ones(tiny_model_dir, checkpoi
     model, tokenizer = checkpointed_lora_policy(tiny_model_dir, checkpointing)
     model.train()
     rollouts = mixed_length_groups()
-    unshared, mask = train.completion_logprobs(model, rollouts, 0.7, tokenizer.pad_token_id)
-    shared, shared_mask = train.shared_prompt_logprobs(model, rollouts, 0.7, tokenizer.pad_token_id)
+    unshared, mask = update.completion_logprobs(model, rollouts, 0.7, tokenizer.pad_token_id)
+    shared, shared_mask = update.shared_prompt_logprobs(model, rollouts, 0.7, tokenizer.pad_token_id)
     assert torch.equal(mask, shared_mask)
     assert ((shared - unshared).abs() * mask).max().item() <= 1e-5
 
@@ -70,8 +72,8 @@ def test_shared_prompt_logprobs_with_completions_shorter_than_the_prompt(tiny_mo
     model, tokenizer = lora_policy(tiny_model_dir)
     prompt = list(range(3, 33))  # 30 tokens
     rollouts = [sampling.Rollout(prompt, [40, 41, 42], "", False), sampling.Rollout(prompt, [50], "", False)]
-    unshared, mask = train.completion_logprobs(model, rollouts, 0.7, tokenizer.pad_token_id)
-    shared, _ = train.shared_prompt_logprobs(model, rollouts, 0.7, tokenizer.pad_token_id)
+    unshared, mask = update.completion_logprobs(model, rollouts, 0.7, tokenizer.pad_token_id)
+    shared, _ = update.shared_prompt_logprobs(model, rollouts, 0.7, tokenizer.pad_token_id)
     assert ((shared - unshared).abs() * mask).max().item() <= 1e-5
 
 
@@ -84,7 +86,7 @@ def test_shared_prompt_update_gives_the_same_lora_gradients(tiny_model_dir, chec
     results = []
     for share in (False, True):
         model, tokenizer = checkpointed_lora_policy(tiny_model_dir, checkpointing)
-        args = train.Args(micro_batch=4, beta=beta, share_prompt=share, bf16_autocast=False, max_grad_norm=1e9)
+        args = update.UpdateSettings(micro_batch=4, beta=beta, share_prompt=share, bf16_autocast=False, max_grad_norm=1e9)
         stats, params = update_at_lr_0(model, rollouts, advantages, args, tokenizer.pad_token_id)  # the gradients are the result
         results.append((stats, [p.grad.clone() for p in params]))
     (unshared, unshared_grads), (shared, shared_grads) = results
@@ -109,7 +111,7 @@ def test_sampler_logprobs_match_the_update_within_a_measured_bound(tiny_model_di
     torch.manual_seed(0)
     rollouts = [r for group in sampler.generate([[5, 6, 7, 8], [9, 10]], 4) for r in group]
     assert all(r.logprobs is not None and len(r.logprobs) == len(r.completion_ids) for r in rollouts)
-    args = train.Args(micro_batch=8, bf16_autocast=merged == torch.bfloat16, max_grad_norm=1e9, share_prompt=True)  # the CPU profile's
+    args = update.UpdateSettings(micro_batch=8, bf16_autocast=merged == torch.bfloat16, max_grad_norm=1e9, share_prompt=True)  # the CPU profile's
     stats, _ = update_at_lr_0(model, rollouts, torch.randn(len(rollouts)), args, tokenizer.pad_token_id)
     if merged == torch.bfloat16:  # measured on this tiny model: mean 0.0012, max 0.007 (the embedded model: benchmark.py prints it)
         assert 0 < stats["sampler_gap_mean"] < 0.005 and stats["sampler_gap_max"] < 0.05
@@ -118,13 +120,13 @@ def test_sampler_logprobs_match_the_update_within_a_measured_bound(tiny_model_di
 
 
 def test_batched_logprobs_with_padding_equal_unpadded_ones(tiny_model_dir):
-    model, tokenizer = sampling.load_policy(str(tiny_model_dir), "cpu", torch.float32)
+    model, tokenizer = models.load_policy(str(tiny_model_dir), "cpu", torch.float32)
     rollouts = [sampling.Rollout([5, 6, 7, 8, 9], [10, 11, 2], "", False), sampling.Rollout([5, 6], [12], "", True),
                 sampling.Rollout([1, 2, 3], [4, 5, 6, 7], "", True)]
     with torch.no_grad():
-        batched, mask = train.completion_logprobs(model, rollouts, 0.9, tokenizer.pad_token_id)
+        batched, mask = update.completion_logprobs(model, rollouts, 0.9, tokenizer.pad_token_id)
         for i, r in enumerate(rollouts):
-            alone, _ = train.completion_logprobs(model, [r], 0.9, tokenizer.pad_token_id)
+            alone, _ = update.completion_logprobs(model, [r], 0.9, tokenizer.pad_token_id)
             assert torch.allclose(batched[i, : len(r.completion_ids)], alone[0], atol=1e-5)
             ids = torch.tensor([r.prompt_ids + r.completion_ids])
             logits = model(ids).logits[0, len(r.prompt_ids) - 1 : -1] / 0.9

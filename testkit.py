@@ -11,8 +11,11 @@ from pathlib import Path
 import pytest
 import torch
 
+import model as models
 import sampling
 import train
+import update
+import vllm_sampler
 
 
 def length_reward(completion: str, answer: str) -> float:
@@ -35,9 +38,9 @@ def lora_policy(model_dir: Path, seed: int = 0, device: str = "cpu", dtype: torc
     weights in `dtype` on `device`; train.py's LoRA stays float32, the same values whatever the dtype)."""
     from peft import LoraConfig
 
-    model, tokenizer = sampling.load_policy(str(model_dir), device, dtype)
+    model, tokenizer = models.load_policy(str(model_dir), device, dtype)
     torch.manual_seed(seed)  # LoRA's A matrices are drawn from the global generator
-    model = train.add_lora(model, LoraConfig(r=4, lora_alpha=8, target_modules=train.LORA_TARGETS, task_type="CAUSAL_LM"))
+    model = models.add_lora(model, LoraConfig(r=4, lora_alpha=8, target_modules=models.LORA_TARGETS, task_type="CAUSAL_LM"))
     generator = torch.Generator().manual_seed(seed)
     with torch.no_grad():
         for name, param in model.named_parameters():
@@ -52,7 +55,7 @@ def update_at_lr_0(model, rollouts, advantages, args: train.Args, pad_id: int):
     params = [p for p in model.parameters() if p.requires_grad]
     optimizer = torch.optim.AdamW(params, lr=0.0, weight_decay=0.0)
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: 1.0)
-    return train.policy_update(model, optimizer, scheduler, rollouts, advantages, args, pad_id), params
+    return update.policy_update(model, optimizer, scheduler, rollouts, advantages, args, pad_id), params
 
 
 def mixed_length_groups() -> list[sampling.Rollout]:
@@ -87,15 +90,15 @@ def checkpointed_lora_policy(model_dir: Path, checkpointing: bool, device: str =
     """lora_policy, with activation checkpointing switched on by train.py's own call."""
     model, tokenizer = lora_policy(model_dir, device=device, dtype=dtype)
     if checkpointing:
-        train.enable_activation_checkpointing(model)
-        assert train.is_checkpointing(model)
+        models.enable_activation_checkpointing(model)
+        assert models.is_checkpointing(model)
     return model, tokenizer
 
 
 def engines_adapter_dirs_are_gone() -> bool:
     """No /dev/shm/pods-adapter-PID-* directory is left by a process that has ended (a live one, e.g.
     another test's engine in this process, may still hold its own)."""
-    return all(sampling.process_exists(int(p.name.split("-")[2])) for p in Path("/dev/shm").glob("pods-adapter-*"))
+    return all(vllm_sampler.process_exists(int(p.name.split("-")[2])) for p in Path("/dev/shm").glob("pods-adapter-*"))
 
 
 def vllm_build() -> str | None:
@@ -116,3 +119,52 @@ def vllm_build() -> str | None:
 def on_cuda(test):
     """Marker cuda (CI's CPU passes allow its skip), and skipped where no CUDA GPU is."""
     return pytest.mark.cuda(pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")(test))
+
+
+def fake_run(root: Path, name: str, rule: str, n: int, m: int, curve: list[tuple[float, float]],
+             lr: float = 3e-4, limit: int = 64, seed: int = 0, precision: str | None = None) -> Path:
+    """A run's config.json and eval-arith.json; precision "bfloat16" or "float32": trained (bf16_autocast)
+    and evaluated (eval.Settings.key names only float32) in it."""
+    run = root / name
+    run.mkdir()
+    config = {"model_resolved": "embedded", "rule": rule, "n": n, "m": m, "lr": lr, "seed": seed}
+    settings = {"limit": limit}
+    if precision is not None:
+        config["bf16_autocast"] = precision == "bfloat16"
+        settings |= {} if precision == "bfloat16" else {"precision": precision}
+    (run / "config.json").write_text(json.dumps(config))
+    results = [{"checkpoint": f"checkpoint-{i}", "step": i, "elapsed_s": t, "accuracy": a, "accuracy_se": 0.0,
+                "accuracies": [a], "format_rate": 0.0} for i, (t, a) in enumerate(curve)]
+    (run / "eval-arith.json").write_text(json.dumps({"settings": settings, "results": results}))
+    return run
+
+
+def timed_run(run, config, seconds):
+    """A run directory whose metrics.jsonl has one row per step taking `seconds` (half generation, half update)."""
+    run.mkdir()
+    (run / "config.json").write_text(json.dumps(config))
+    (run / "metrics.jsonl").write_text("".join(json.dumps({"step": i + 1, "elapsed_s": float(sum(seconds[:i + 1])),
+                                                           "generation_s": s / 2, "update_s": s / 2}) + "\n"
+                                               for i, s in enumerate(seconds)))
+    return run
+
+
+def write_constructed_run(run: Path, config: dict, step_rows: list[dict], results: list[tuple[int, float]] | None = None,
+                          speed: float = 1.0) -> None:
+    """A run directory from constructed records: config.json; metrics.jsonl whose steps took
+    `speed` x 1 + 0.1 x completion_len + 2 x truncated_frac seconds (a first step of 10 s, the warm-up);
+    and eval-arith-2.json with (step, accuracy) results timed on the run's own clock."""
+    run.mkdir(parents=True)
+    (run / "config.json").write_text(json.dumps({"model_resolved": "embedded", **config}))
+    elapsed, rows = [0.0], []
+    for k, row in enumerate(step_rows, start=1):
+        seconds = speed * (10.0 if k == 1 else 1 + 0.1 * row["completion_len"] + 2 * row["truncated_frac"])
+        elapsed.append(elapsed[-1] + seconds)
+        rows.append({"step": k, "elapsed_s": elapsed[-1], "generation_s": seconds / 2, "update_s": seconds / 2,
+                     "accuracy": 0.5, **row})
+    (run / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    if results is not None:
+        stored = [{"checkpoint": f"checkpoint-{k}", "step": k, "elapsed_s": elapsed[k], "accuracy": a, "accuracy_se": 0.0,
+                   "accuracies": [a], "format_rate": 0.0} for k, a in results]
+        (run / "eval-arith-2.json").write_text(json.dumps({"settings": {"limit": 256}, "results": stored}))
+

@@ -35,11 +35,17 @@ each micro-batch holds per_device_train_batch_size x m / n of them. Checked at c
 ValueErrors, see `check_config`): a process holds whole groups, the kept rows split evenly into the
 micro-batches (TRL's split_tensor_dict would silently drop a remainder), 2 <= m <= n, group scaling.
 `num_items_in_batch` (the token count "dapo", "cispo" and "vespo" divide by) is recounted over the
-kept rows, so those losses are not scaled down by about m/n.
+kept rows, so those losses are not scaled down by about m/n. It is TRL's count, completion_mask x
+tool_mask summed over every process, taken over the kept rows of the masks TRL returns: with
+mask_truncated_completions=True TRL zeroes truncated rows in both masks before counting (trl 1.16.0
+grpo_trainer.py 2487-2498), so a kept truncated row counts 0 tokens here as there.
 
 Logging: TRL's `reward`, `reward_std`, `frac_reward_zero_std`, `rewards/<func>/mean|std`, the
 `completions/*` lengths, `num_tokens` and the completions table (with TRL's advantages) describe all
-n generated rollouts; `pods/reward`, `pods/reward_std` and `pods/frac_reward_zero_std` the m kept.
+n generated rollouts; `pods/reward`, `pods/reward_std` and `pods/frac_reward_zero_std` the m kept, each
+computed as its TRL namesake (trl 1.16.0 grpo_trainer.py 2828-2830). So `reward_std` is the sample std
+of all the batch's rewards pooled; `pods/group_reward_std` is the mean within-group std of the kept rewards
+(what max_variance maximizes), the quantity train.py logs as `kept_reward_std`.
 
 Not saved: TRL computes old log-probs (with vLLM's importance sampling, or when
 gradient_accumulation_steps is not a multiple of steps_per_generation x num_iterations, e.g.
@@ -60,7 +66,6 @@ import data
 import grpo
 import pods
 import rewards
-import sampling
 
 TESTED_TRL = "1.16.0"
 
@@ -175,6 +180,7 @@ class PODSGRPOTrainer(GRPOTrainer):
         kept = {key: value[keep] for key, value in batch.items() if key in ROW_KEYS}
         kept_rewards = rewards[keep].view(-1, m)
         kept["advantages"] = grpo.group_advantages(kept_rewards).view(-1)  # A_i = (r_i - mean) / (std + 1e-4), kept only
+        # TRL's count (truncated rows already zeroed in both masks when mask_truncated_completions), over kept rows
         loss_mask = kept["completion_mask"] * kept["tool_mask"] if "tool_mask" in kept else kept["completion_mask"]
         kept["num_items_in_batch"] = self.accelerator.gather(loss_mask.sum()).sum()  # tokens the kept rows train on
 
@@ -182,7 +188,8 @@ class PODSGRPOTrainer(GRPOTrainer):
         group_std = kept_rewards.std(dim=1)
         metrics = self._metrics["train"]
         metrics["pods/reward"].append(kept_rewards.mean().item())
-        metrics["pods/reward_std"].append(kept_rewards.std().item())
+        metrics["pods/reward_std"].append(kept_rewards.std().item())  # pooled, as TRL's reward_std (not per group)
+        metrics["pods/group_reward_std"].append(group_std.mean().item())  # mean within-group std: train.py's kept_reward_std
         metrics["pods/frac_reward_zero_std"].append(torch.isclose(group_std, torch.zeros_like(group_std)).float().mean().item())
         return kept
 
@@ -198,7 +205,7 @@ def task_dataset(dataset: str = "gsm8k", split: str = "train", count: int | None
 
     examples = data.load_examples(dataset, split)[:count]
     return Dataset.from_dict({
-        "prompt": [sampling.chat_messages(e.question) for e in examples],
+        "prompt": [rewards.chat_messages(e.question) for e in examples],
         "answer": [e.answer for e in examples],
     })
 

@@ -1,0 +1,143 @@
+"""The run's configuration: the GPU and CPU profiles that fill train.py's unset flags, the command
+line, and the checks that turn a bad combination into one line (UsageError) before anything loads.
+
+`Args` itself (every flag, with its help) is at the top of train.py. Fields left at None there take
+the profile of the device: on a GPU the authors' released single-GPU configuration, on a CPU one sized
+for the embedded 135M model. docs/defaults.md gives the reasons and measurements behind each default.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import logging
+
+import torch
+
+import data
+import model
+import vllm_sampler
+
+log = logging.getLogger("pods")
+
+RULES = ("max_variance", "max_reward", "random", "none")
+RESUME_MODES = ("no", "yes", "auto")
+
+PROFILES = {
+    "gpu": dict(prompts_per_step=1, max_new_tokens=512, lr=5e-6, lora_rank=64, lora_alpha=64, micro_batch=4, steps=1000,
+                gradient_checkpointing=True, bf16_autocast=False, bf16_weights=True, merged_sampler=True, share_prompt=False),
+    "cpu": dict(prompts_per_step=4, max_new_tokens=32, lr=3e-4, lora_rank=16, lora_alpha=32, micro_batch=8, steps=100,
+                gradient_checkpointing=False, bf16_autocast=True, bf16_weights=False, merged_sampler=True, share_prompt=True),
+}
+BFLOAT16_FLAGS = ("bf16_autocast",)  # off in the CPU profile where the CPU emulates bfloat16 (the merged copy is then float32)
+PRECISION_FLAGS = (*BFLOAT16_FLAGS, "merged_sampler", "bf16_weights")  # what --resume warns about when they change
+
+
+def flag_text(name: str, on: bool) -> str:
+    """A boolean setting as its command-line flag: flag_text("bf16_autocast", False) == "--no-bf16-autocast"."""
+    return f"--{'' if on else 'no-'}{name.replace('_', '-')}"
+
+
+def profile(device: str) -> dict:
+    """The defaults for `device`: PROFILES, with bfloat16 off on a CPU that emulates it (no AVX-512 BF16
+    or AMX: float32 is several times faster there; model.computes_bfloat16)."""
+    if device == "cuda":
+        return PROFILES["gpu"]
+    if model.computes_bfloat16(device):
+        return PROFILES["cpu"]
+    return {**PROFILES["cpu"], **{k: False for k in BFLOAT16_FLAGS}}
+
+
+class UsageError(ValueError):
+    """A bad command line; the message says what to change."""
+
+
+class TrainingError(RuntimeError):
+    """Training cannot go on (e.g. non-finite updates in a row); the last good state is saved."""
+
+
+def parse_args(args_class, argv: list[str] | None = None, description: str = ""):
+    """An `args_class` (a dataclass such as train.Args) from the command line: each field a --flag, its
+    metadata["help"] the help text; booleans take --flag/--no-flag, --resume alone means yes."""
+    parser = argparse.ArgumentParser(description=description)
+    for f in dataclasses.fields(args_class):
+        flag = "--" + f.name.replace("_", "-")
+        if f.name == "resume":  # --resume alone means yes
+            parser.add_argument(flag, nargs="?", const="yes", default=f.default, choices=RESUME_MODES, help=f.metadata["help"])
+        elif f.type.startswith("bool"):
+            parser.add_argument(flag, action=argparse.BooleanOptionalAction, default=f.default, help=f.metadata["help"])
+        else:
+            kind = {"int": int, "float": float, "str": str}[f.type.split(" ")[0]]
+            parser.add_argument(flag, type=kind, default=f.default, help=f.metadata["help"])
+    return args_class(**vars(parser.parse_args(argv)))
+
+
+def resolve(args, device: str, world_size: int = 1):
+    """Fill the None fields from the device's profile and check the combination (and that the
+    prompts of a step divide among `world_size` processes)."""
+    filled = {k: v for k, v in profile(device).items() if getattr(args, k) is None}
+    forced = [flag_text(k, True) for k in BFLOAT16_FLAGS if getattr(args, k) and not model.computes_bfloat16(device)]
+    if forced:
+        log.warning("%s on a CPU that emulates bfloat16 (no AVX-512 BF16 or AMX): steps are several times slower "
+                    "than in float32, this CPU's default", " and ".join(forced))
+    if args.dataset == "auto":  # the paper's task on a GPU; offline on a CPU, the task the embedded model can learn
+        filled["dataset"] = data.GSM8K if device == "cuda" else data.ARITH
+    args = dataclasses.replace(args, **filled)
+    if args.rule not in RULES:
+        raise UsageError(f"unknown --rule {args.rule!r}; choose one of {', '.join(RULES)}")
+    if args.n < 2:
+        raise UsageError(f"--n {args.n} must be >= 2 (advantages need a group)")
+    if args.rule == "none":
+        if args.m != args.n:
+            log.info("--rule none trains on all n=%d rollouts (vanilla GRPO); --m %d is not used", args.n, args.m)
+        args = dataclasses.replace(args, m=args.n)
+    if args.m > args.n:
+        raise UsageError(f"--m {args.m} must be <= --n {args.n}: PODS keeps m of the n rollouts it generates")
+    if args.m < 2:
+        raise UsageError(f"--m {args.m} must be >= 2: the advantage divides by the std of the kept rewards")
+    if args.backend not in ("auto", "vllm", "hf"):
+        raise UsageError(f"unknown --backend {args.backend!r}; choose vllm, hf or auto")
+    if args.temperature <= 0:
+        raise UsageError(f"--temperature {args.temperature} must be > 0: GRPO samples its rollouts")
+    if args.beta < 0:
+        raise UsageError(f"--beta {args.beta} must be >= 0")
+    check_optimizer_flags(args)
+    if args.tis_cap < 0 or (0 < args.tis_cap < 1):
+        raise UsageError(f"--tis-cap {args.tis_cap} must be 0 (off) or >= 1 (a cap below 1 would shrink every token's weight)")
+    for name in ("prompts_per_step", "max_new_tokens", "micro_batch", "steps", "lora_rank", "gen_batch", "max_skipped_steps"):
+        if getattr(args, name) < 1:
+            raise UsageError(f"--{name.replace('_', '-')} {getattr(args, name)} must be >= 1")
+    if args.prompts_per_step % world_size:
+        raise UsageError(f"--prompts-per-step {args.prompts_per_step} does not divide among {world_size} processes: "
+                         f"it counts the prompts of a step over all of them; pass a multiple of {world_size}")
+    vllm_sampler.check_vllm_memory_flags(args.gpu_memory_utilization, args.vllm_kv_cache_gb)
+    if args.vllm_sleep and device != "cuda":
+        raise UsageError("--vllm-sleep needs a GPU: vLLM has no sleep mode on a CPU (it frees GPU memory for the update)")
+    return args
+
+
+def check_optimizer_flags(args) -> None:
+    """The update's numbers, checked before anything loads. Some would not fail at all: clipping to a norm
+    <= 0 scales the gradient by it (a negative norm turns the step into gradient ascent, 0 erases it),
+    and a negative clip range clips every ratio to a constant (rollouts with a positive advantage never learn)."""
+    if args.lr <= 0:
+        raise UsageError(f"--lr {args.lr} must be > 0")
+    for name in ("adam_beta1", "adam_beta2"):
+        if not 0 <= getattr(args, name) < 1:
+            raise UsageError(f"--{name.replace('_', '-')} {getattr(args, name)} must be in [0, 1)")
+    if args.weight_decay < 0:
+        raise UsageError(f"--weight-decay {args.weight_decay} must be >= 0")
+    if args.max_grad_norm <= 0:
+        raise UsageError(f"--max-grad-norm {args.max_grad_norm} must be > 0: the gradient is scaled down to this norm")
+    if not 0 <= args.warmup_ratio <= 1:
+        raise UsageError(f"--warmup-ratio {args.warmup_ratio} must be in [0, 1]: a share of --steps")
+    for name in ("clip_eps", "clip_eps_high"):
+        if getattr(args, name) is not None and getattr(args, name) < 0:
+            raise UsageError(f"--{name.replace('_', '-')} {getattr(args, name)} must be >= 0: the ratio is clipped to [1 - eps, 1 + eps_high]")
+
+
+def merged_dtype(args) -> torch.dtype:
+    """The precision of the hf sampler's merged copy: bfloat16 where the run computes in bfloat16
+    (--bf16-autocast, --bf16-weights), float32 where it does not (a CPU without bfloat16 arithmetic:
+    there a float32 copy still saves peft's adapter matmuls, docs/speed.md)."""
+    return torch.bfloat16 if args.bf16_autocast or args.bf16_weights else torch.float32

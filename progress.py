@@ -1,0 +1,108 @@
+"""What a run shows and how it stops: its start line, the progress bar, the metrics rows and the
+Ctrl-C/SIGTERM handler. Display code never ends a run: a failure here is logged and training goes on.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import signal
+from pathlib import Path
+
+import torch
+
+import config
+import distributed
+import model
+import vllm_sampler
+
+log = logging.getLogger("pods")
+
+
+def start_line(args, model_name: str, sampler, out_dir: Path, device: str, world: distributed.World = distributed.World()) -> str:
+    """What a run is, in one log line: model, task, generation backend, processes, where it is written."""
+    if isinstance(sampler, vllm_sampler.VLLMSampler):
+        backend = "vLLM"
+    else:
+        how = ([f"a {str(sampler.merged_dtype).removeprefix('torch.')} copy, LoRA merged"] if getattr(sampler, "merged", False)
+               else ["bfloat16 autocast"] if args.bf16_autocast else [])
+        if config.merged_dtype(args) == torch.float32 and device == "cpu" and not model.computes_bfloat16(device):
+            how.append(model.FLOAT32_CPU)  # (not when --bf16-autocast forces bfloat16 there)
+        backend = "transformers" + (f" ({'; '.join(how)})" if how else "")
+    name = "the embedded SmolLM2-135M-Instruct" if model_name == model.EMBEDDED else model_name
+    auto = ("; no GPU, so the embedded model and the built-in task (--model / --dataset choose others)"
+            if device == "cpu" and args.model == "auto" else "")
+    ranks = f" on {world.size} {'GPUs' if device == 'cuda' else 'processes'} (DDP)" if world.launched else ""
+    return f"training {name} on {args.dataset} with {backend} generation{ranks}, writing {out_dir}{auto}"
+
+
+def progress_bar(args, state: dict, world: distributed.World = distributed.World()):
+    """A tqdm bar over training minutes under --time-budget (the limit that ends such a run), else
+    over steps; rank 0's only."""
+    from tqdm import tqdm
+
+    desc = f"{args.rule} n={args.n} m={args.m}"
+    if args.time_budget:  # a resumed run may already be past its budget: the total is never below the count
+        return tqdm(total=max(args.time_budget, bar_position(args, state)), initial=bar_position(args, state), desc=desc, dynamic_ncols=True,
+                    bar_format="{l_bar}{bar}| {n:.1f}/{total:g} min [{elapsed}{postfix}]", disable=not world.is_main)
+    return tqdm(total=args.steps, initial=bar_position(args, state), desc=desc, unit="step", dynamic_ncols=True,
+                disable=not world.is_main)
+
+
+def bar_position(args, state: dict) -> float:
+    return round(state["elapsed_s"] / 60, 3) if args.time_budget else state["step"]
+
+
+def count_skipped(update: dict, skipped_in_a_row: int, step: int) -> int:
+    """Updates skipped in a row for a non-finite loss or gradient norm (policy_update), logged."""
+    if not update["skipped"]:
+        return 0
+    log.warning("step %d: non-finite loss (%s) or gradient norm (%s): update skipped, weights unchanged",
+                step, update["loss"], update["grad_norm"])
+    return skipped_in_a_row + 1
+
+
+def show_progress(bar, args, state: dict, row: dict) -> None:
+    """Move the bar to the step just finished. The last step of a time-budgeted run ends past the
+    budget: the bar's total grows to the count (tqdm would otherwise drop its total once the count
+    passes it by half a unit, and the minutes format would fail on it). Display code must never end
+    a run, so anything else that fails here is logged and training goes on."""
+    try:
+        position = bar_position(args, state)
+        if bar.total is not None and position > bar.total:
+            bar.total = position
+        bar.update(position - bar.n)
+        bar.set_postfix(step=state["step"], reward=f"{row['reward_mean']:.3f}", acc=f"{row['accuracy']:.3f}")
+    except Exception as err:  # noqa: BLE001 - a display failure must not cost the checkpoint
+        log.warning("progress bar failed (%s: %s); training goes on", type(err).__name__, err)
+
+
+def write_row(metrics_file, row: dict) -> None:
+    """Append one metrics.jsonl row. A failed write (a full disk) is logged, not raised, so that the
+    step's checkpoint is still attempted; a resumed run rewrites the file up to its checkpoint."""
+    try:
+        metrics_file.write(json.dumps(row) + "\n")
+        metrics_file.flush()
+    except OSError as err:
+        log.warning("could not write metrics row %d (%s); training goes on", row["step"], err)
+
+
+STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM)
+
+
+def ctrl_c_handler(stop: dict):
+    """SIGINT and SIGTERM handler: the first signal asks the loop to stop after the current step and
+    save; a second one quits without saving. SIGTERM is what cluster schedulers send before a kill
+    (the step finishes and is saved if their grace period allows). Under torchrun the ranks run in
+    their own sessions, out of the terminal's reach: torchrun passes its first Ctrl-C on to each rank
+    once, and at a second one terminates them (SIGTERM), which, being their second signal, quits
+    without saving."""
+
+    def on_signal(signum, frame):
+        if stop["requested"]:
+            raise KeyboardInterrupt
+        stop["requested"] = True
+        name = "Ctrl-C" if signum == signal.SIGINT else signal.Signals(signum).name
+        log.info("%s: finishing this step, then saving a checkpoint (Ctrl-C again to quit without saving)", name)
+
+    return on_signal
