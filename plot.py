@@ -11,7 +11,7 @@ is read up to the shortest run's end. eval.py's command line runs it:
     python eval.py --plot runs/grpo-s0 runs/grpo-s1 runs/pods-s0 runs/pods-s1 --out fig.png
     python eval.py --plot-train runs/pods runs/grpo     # training curves from metrics.jsonl, no evaluation needed
 
-The CPU reproduction's statistics over seeds (bootstrap intervals, paired seeds, plateaus, the
+The CPU reproduction's statistics over seeds (t intervals, exact median intervals, plateaus, the
 reference clock) build on these curves in reproduce/report.py.
 """
 

@@ -8,6 +8,8 @@ import pytest
 
 import data
 
+pytestmark = pytest.mark.pure  # no torch, transformers, peft or vLLM code: CI runs it once
+
 
 def test_arith_levels_compute_their_answers():
     rng = __import__("random").Random(3)

@@ -5,6 +5,10 @@ from __future__ import annotations
 import re
 from pathlib import Path
 
+import pytest
+
+pytestmark = pytest.mark.pure  # no torch, transformers, peft or vLLM code: CI runs it once
+
 
 def test_every_relative_link_in_the_readme_and_docs_resolves():
     """Files and #anchors: an anchor must be a heading of its page, slugged as GitHub does."""

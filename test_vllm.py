@@ -94,7 +94,7 @@ def test_vllm_generates_with_the_lora_adapter_and_matches_transformers_tempered_
 
 VLLM_CTRL_C_DRIVER = """
 import os, signal, sys
-import sampling, train
+import train, vllm_sampler
 generate = vllm_sampler.VLLMSampler.generate
 calls = []
 def generate_then_ctrl_c(self, prompts, n, **kwargs):

@@ -1,7 +1,7 @@
 """The CPU reproduction's primary reading: the README's headline figure and the numbers behind its table.
 
 Each of the paper's two comparisons is read once as primary (README.md here, "The primary reading":
-which reading, why, and that it was chosen on 28 November 2026, after every result had been seen).
+which reading, why, and that it was chosen on 27 November 2026, after every result had been seen).
 For each comparison given, on the reference clock (reference_clock.py), this prints:
 
 - the paired difference in mean test accuracy over the horizon (the area under each run's curve over

@@ -111,7 +111,7 @@ def speedup_by_target(groups: dict[str, list[tuple[list[float], list[float]]]], 
 
     lines = [f"speed-up on seed-mean curves (the authors' rule) by target (a share of {baseline}'s peak): a point estimate, "
              f"no interval; (min-max leaving one seed out)",
-             f"{'run':<36}" + "".join(f"{f'{frac:g} x peak':>26}" for frac in fracs)]
+             f"{'run':<36}" + "".join(f"  {f'{frac:g} x peak':>30}" for frac in fracs)]
     paired = paired_labels(groups, seeds, baseline)
     for label, runs in groups.items():
         if label == baseline:
@@ -126,7 +126,7 @@ def speedup_by_target(groups: dict[str, list[tuple[list[float], list[float]]]], 
                 span = f"{min(reached):.2f}-{max(reached):.2f}" if reached else ""
                 cell += f" ({span}{', ' if span and never else ''}{f'{never} never' if never else ''})"
             cells.append(cell)
-        lines.append(f"{label:<36}" + "".join(f"{cell:>26}" for cell in cells))
+        lines.append(f"{label:<36}" + "".join(f"  {cell:>30}" for cell in cells))
     return lines
 
 
@@ -141,14 +141,14 @@ def paired_speedup_by_target(groups: dict[str, list[tuple[list[float], list[floa
         return []
     lines = [f"speed-up seed by seed (each seed's {baseline} time to the target over its own), median over seeds "
              f"[distribution-free interval from order statistics, its coverage]; an end a never-reaching seed leaves open reads 'open'",
-             f"{'run':<36}" + "".join(f"{f'{frac:g} x peak':>30}" for frac in fracs)]
+             f"{'run':<36}" + "".join(f"  {f'{frac:g} x peak':>32}" for frac in fracs)]
     for label in paired:
         speedups = [paired_speedup(groups[baseline], groups[label], frac) for frac in fracs]
         cells = [f"{ratio_text(p['median_low'], p['median_high'])} {interval_text(p['low'], p['high'])} {p['coverage']:.1%}"
                  for p in speedups]
-        lines.append(f"{label:<36}" + "".join(f"{cell:>30}" for cell in cells))
+        lines.append(f"{label:<36}" + "".join(f"  {cell:>32}" for cell in cells))
         counts = [f"{p['favour']} / {p['against']}, p = {p['sign_p']:.3f}" for p in speedups]
-        lines.append(f"{'  seeds faster / slower, sign p':<36}" + "".join(f"{count:>30}" for count in counts))
+        lines.append(f"{'  seeds faster / slower, sign p':<36}" + "".join(f"  {count:>32}" for count in counts))
         for frac, p in zip(fracs, speedups):
             ratios = "  ".join(f"{seed}: {ratio_text(*bounds)}" for seed, bounds in zip(seeds[label], p["seeds"]))
             lines.append(f"  seeds at {frac:g} x peak: {ratios}")

@@ -13,13 +13,13 @@ import time
 from pathlib import Path
 
 import pytest
+import replay_run
+import take_turns
 import torch
 
 import checkpoint
-import replay_run
-import take_turns
 import train
-from testkit import length_reward, read_metrics, tiny_args, timed_run, write_constructed_run
+from testkit import length_reward, read_metrics, timed_run, tiny_args, write_constructed_run
 
 HERE = Path(__file__).parent  # reproduce/
 PROJECT = HERE.parent
@@ -69,6 +69,7 @@ if __name__ == "__main__":  # take_turns.py imports it and calls main
 """
 
 
+@pytest.mark.pure
 def test_reproduction_stops_at_once_on_a_cpu_that_emulates_bfloat16_but_redraws_there(tmp_path):
     """The kept runs computed in bfloat16: on a CPU without its arithmetic (models.computes_bfloat16
     stubbed to say so) training and evaluation stop before any run, in one line; the report stage, which
@@ -108,6 +109,7 @@ def test_reproduction_stops_at_once_on_a_cpu_that_emulates_bfloat16_but_redraws_
     assert native.returncode == 1 and native.stdout.startswith("PRECISION=float32 is for a CPU without bfloat16 arithmetic")
 
 
+@pytest.mark.pure
 def test_plateau_plan_skips_runs_kept_from_another_machine_and_stops_on_a_slower_one(tmp_path):
     """PLAN=plateau in a fresh checkout (no runs/): seed 0's runs, kept in reproduce/cpu-plateau, are neither
     trained nor evaluated again; before each run of a new seed, the script repeats the first 6 steps of
@@ -149,6 +151,7 @@ def test_plateau_plan_skips_runs_kept_from_another_machine_and_stops_on_a_slower
     assert len(calls) == 3 and "grpo-n8-s2" in calls[1] and "--steps 6" in calls[2]  # stopped before pods-n8-m4-s2
 
 
+@pytest.mark.pure
 def test_plateau_plan_stops_on_a_machine_that_computes_differently_and_can_take_another_seed_as_reference(tmp_path):
     """The speed check's six steps must also give the record's numbers: a machine at speed whose steps
     come out otherwise (train.py stubbed: STUB_ROW adds a reward the record does not have) is another
@@ -215,6 +218,7 @@ def test_replay_rebuilds_a_recorded_runs_checkpoints_bit_for_bit(tiny_model_dir,
     assert replay_run.main([str(tmp_path / "nothing"), str(tmp_path / "x")]) == 1
 
 
+@pytest.mark.pure
 def test_replay_puts_checkpoints_where_train_py_saved_them_in_the_kept_records():
     """replay_run.checkpoint_steps on the records in reproduce/cpu-plateau: train.py's one-a-minute rule gives
     exactly the checkpoints that were evaluated, but for the two runs stopped and resumed (the stop
@@ -259,6 +263,7 @@ turns.hand_on(1, 1.0, leave=True)
 """
 
 
+@pytest.mark.pure
 def test_take_turns_a_waiting_run_sleeps_until_handed_the_turn(tmp_path):
     """A run waiting for its turn does not poll (on 2 cores, polling every 10 ms slowed the computing run's
     steps 1.16-1.31x): over 2 s of waiting it is scheduled a handful of times, not ~200, and the hand-off
@@ -364,6 +369,7 @@ def test_take_turns_runs_one_step_at_a_time_and_changes_nothing_but_the_clock(ti
         assert 0 < read_metrics(tmp_path / name)[-1]["elapsed_s"] < own
 
 
+@pytest.mark.pure
 def test_plateau_plan_taking_turns_starts_a_seeds_runs_together_and_keeps_their_clocks_together(tmp_path):
     """TAKE_TURNS=1: after one speed check, a seed's four runs start together under reproduce/take_turns.py,
     take turns so that their training clocks stay within a step (train.py stubbed: 9 s a step, PODS n=8
@@ -392,6 +398,7 @@ def test_plateau_plan_taking_turns_starts_a_seeds_runs_together_and_keeps_their_
     assert again.returncode == 0 and len(log.read_text().splitlines()) == 5
 
 
+@pytest.mark.pure
 def test_plateau_report_leaves_out_the_seeds_listed_as_run_on_a_slower_machine(tmp_path):
     """STAGES=report of reproduce/cpu_reproduction.sh, as a user redraws it, on constructed records in a
     copy of the project: seed 2 ran twice as slow and is listed in slower-machine-seeds.txt, so the
@@ -440,6 +447,7 @@ def test_plateau_report_leaves_out_the_seeds_listed_as_run_on_a_slower_machine(t
     assert (tmp_path / "reproduce" / "cpu_paired_differences.png").exists()
 
 
+@pytest.mark.pure
 def test_first_plan_report_draws_the_evaluated_runs_while_a_kept_run_waits_for_its_evaluation(tmp_path):
     """STAGES=report of the first plan (reproduce/cpu/), with a run whose records were kept when its training
     ended but which has no evaluation yet (the machine went first): the figures are drawn from the
@@ -502,6 +510,7 @@ def reference_clock_records(root: Path) -> Path:
     return keep
 
 
+@pytest.mark.pure
 def test_plateau_plan_on_the_reference_clock_trains_a_new_seed_in_chunks_to_the_budget_and_resumes_after_ctrl_c(tmp_path):
     """CLOCK=reference, as a user runs it on a machine of another speed (train.py stubbed: its steps take
     5 s here and cost 3 s on the reference clock fit on seed 0's kept runs, whose first step took 10 s).
@@ -548,6 +557,7 @@ def test_plateau_plan_on_the_reference_clock_trains_a_new_seed_in_chunks_to_the_
     assert first.returncode == 1 and first.stdout.startswith("TAKE_TURNS=1 is for PLAN=plateau")
 
 
+@pytest.mark.pure
 def test_plateau_plan_on_the_reference_clock_continues_one_comparison_to_a_longer_budget(tmp_path):
     """GRPO n=4 still rising at the budget, as a user continues equal updates only (train.py stubbed, as
     above): seed 5 trained on the clock to BUDGET=1 minute (18 steps), then BUDGET=2 COMPARISONS=updates
@@ -576,6 +586,7 @@ def test_plateau_plan_on_the_reference_clock_continues_one_comparison_to_a_longe
     assert len(log.read_text().splitlines()) == first + 4
 
 
+@pytest.mark.pure
 def test_plateau_report_draws_equal_updates_to_the_longer_budget_on_the_seeds_that_reached_it(tmp_path):
     """STAGES=report with LONG_BUDGET=3: seeds 6 and 7 trained equal updates on the clock to 3.6 minutes
     (70 steps, 1.5x as slow as the reference machine), seed 5 to 2.1 minutes; the longer table
@@ -608,6 +619,7 @@ if __name__ == "__main__":  # evaluating a run's checkpoints: logged, and an eva
 """
 
 
+@pytest.mark.pure
 def test_plateau_plan_evaluates_each_run_as_soon_as_it_has_trained_so_a_lost_machine_takes_no_trained_run(tmp_path):
     """The plan as sessions run it (CLOCK=reference, the default STAGES, train.py and eval.py's
     evaluation stubbed): each run's checkpoints are evaluated, and the evaluation kept in reproduce/, before

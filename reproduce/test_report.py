@@ -8,16 +8,18 @@ import math
 import random
 from pathlib import Path
 
+import headline
 import numpy as np
 import pytest
-from scipy import stats as scipy_stats
-
-import plot
-import headline
 import report
 import stats
 from reference_clock import ReferenceClock
+from scipy import stats as scipy_stats
+
+import plot
 from testkit import fake_run, timed_run, write_constructed_run
+
+pytestmark = pytest.mark.pure  # no torch, transformers, peft or vLLM code: CI runs it once
 
 
 def test_step_costs_read_the_machine_speed_from_steps_2_to_6_and_mark_a_slower_machine(tmp_path):

@@ -1,4 +1,4 @@
-"""Speed benchmark of TRL's GRPOTrainer on CPU: the reference point for `train.py --benchmark`.
+"""Speed benchmark of TRL's GRPOTrainer on CPU: the reference point for `benchmark.py`.
 
 TRL is not a dependency of this project; measure it in a venv of its own (docs/speed.md):
 
