@@ -4,9 +4,10 @@ A measuring tool beside train.py, not part of training: it builds the same model
 as `train.py` (same flags), runs one untimed step at full size (warm_up), then draws --prompts-per-step
 prompts, generates their n rollouts, and runs the update on the m kept for m = n, n/2 and n/4
 (m >= 2), printing a table of seconds per phase, the update's peak memory and each step's cost
-relative to GRPO's. With the transformers backend it
-then times one decode step against its arithmetic (`decode_step_ms`) and prints the gap between the
-sampler's and the trainer's log-probabilities of the same rollouts.
+relative to GRPO's. It then sets GRPO's update against its arithmetic (the FLOPs of its matrix
+products, and the rate this CPU reaches on those products alone at a micro-batch's shape; attention's
+score products are left out) and, with the transformers backend, one decode step against its own
+(`decode_step_ms`), and prints the gap between the sampler's and the trainer's log-probabilities.
 
 Usage:
     python benchmark.py --dataset arith --n 8 --prompts-per-step 4
@@ -29,7 +30,7 @@ import model as models
 import sampling
 import train
 import vllm_sampler
-from update import policy_update
+from update import micro_batches, policy_update, prompt_groups
 
 
 def peak_memory_mb(fn):
@@ -123,7 +124,7 @@ def benchmark(args: train.Args, repeats: int = 2) -> list[dict]:
     gen_s = {share: [] for share in shares}
     upd_s = {(m, share): [] for m in ms for share in shares}
     mem_mb = {(m, share): [] for m in ms for share in shares}
-    tokens = []
+    tokens, update_tokens = [], {share: [] for share in shares}  # completion tokens; tokens each update reads
     for repeat in range(repeats):
         batch = stream.next_batch(args.prompts_per_step)
         for share in generation_shares:
@@ -133,6 +134,8 @@ def benchmark(args: train.Args, repeats: int = 2) -> list[dict]:
             rollouts, scores, _, _ = train.generate_and_score(sampler, batch, args.n)
             gen_s[share].append(time.perf_counter() - start)
         tokens.append(sum(len(r.completion_ids) for r in rollouts))
+        for share in shares:
+            update_tokens[share].append(tokens_read(rollouts, share))
         for m in ms:
             run = dataclasses.replace(args, m=m, rule="none" if m == args.n else args.rule)
             kept_idx = train.select(scores, run.rule, run.n, run.m, rng)
@@ -167,6 +170,16 @@ def benchmark(args: train.Args, repeats: int = 2) -> list[dict]:
     if gaps:
         print(f"sampler/trainer |log p| gap per completion token: mean {np.mean([g[0] for g in gaps]):.4f}, "
               f"max {np.max([g[1] for g in gaps]):.4f} (each repeat's on-policy update; the first with a fresh LoRA)")
+    layer_params, head_params = linear_params(model)
+    for share, row in zip(shares, rows[:2]):  # GRPO's update (m = n), per row and shared
+        read, completion = float(np.mean(update_tokens[share])), float(np.mean(tokens))
+        gflop = 2 * 2 * (layer_params * read + head_params * completion) / 1e9  # forward, and backward to the inputs
+        rate = 2 * (layer_params + head_params) * read / len(micro_batches(rollouts, args.micro_batch)) / matmuls_ms(
+            sampler.model if getattr(sampler, "merged", False) else model, round(read / len(micro_batches(rollouts, args.micro_batch)))) / 1e6
+        print(f"GRPO update, prompt {'shared' if share else 'per row'}: {gflop:.3g} GFLOP in its matrix products ({read:.0f} tokens "
+              f"through the layers, {completion:.0f} through the LM head, forward and backward); at the {rate:.0f} GFLOP/s its "
+              f"layers reach alone at a micro-batch's shape that is {gflop / rate:.2g} s: measured {row['update_s']:.2g} s, "
+              f"{row['update_s'] / (gflop / rate):.1f}x its arithmetic")
     if not vllm:
         rows_per_step = 32
         tuned = decode_step_ms(sampler, batch[0][0], rows_per_step)
@@ -180,6 +193,22 @@ def benchmark(args: train.Args, repeats: int = 2) -> list[dict]:
               f"its arithmetic ({2 * params * rows_per_step / 1e9:.1f} GFLOP): the same matrix products alone take "
               f"{floor:.0f} ms, so the step is {tuned / floor:.1f}x its arithmetic")
     return rows
+
+
+def tokens_read(rollouts: list, share_prompt: bool) -> int:
+    """Tokens the update forwards through the decoder layers: each rollout's prompt and completion, or with
+    the prompt shared each prompt once per group (update.shared_prompt_logprobs; one group per micro-batch)."""
+    if not share_prompt:
+        return sum(len(r.prompt_ids) + len(r.completion_ids) for r in rollouts)
+    return sum(len(rollouts[g[0]].prompt_ids) + sum(len(rollouts[i].completion_ids) for i in g) for g in prompt_groups(rollouts))
+
+
+def linear_params(model) -> tuple[int, int]:
+    """Weights in the decoder layers' linear maps (the LoRA factors left out: they are ~3% of the work), and in the LM head."""
+    head = model.get_output_embeddings().weight
+    layers = sum(m.weight.numel() for name, m in model.named_modules()
+                 if isinstance(m, torch.nn.Linear) and m.weight is not head and "lora_" not in name)
+    return layers, head.numel()
 
 
 def decode_step_ms(sampler, prompt: list[int], rows: int, steps: int = 32, repeats: int = 3) -> float:

@@ -567,6 +567,17 @@ def test_benchmark_runs_for_small_n_and_leaves_out_m_below_2(tiny_model_dir, cap
     decode = re.search(r"decode step at 32 rows .*: ([0-9.]+) ms with the training sampler.*, ([0-9.]+) ms sampling the trained"
                        r" model itself; .* alone take ([0-9.]+) ms", out)
     assert decode and all(float(x) > 0 for x in decode.groups())
+    for prompt in ("per row", "shared"):  # GRPO's update against the FLOPs of its matrix products
+        update = re.search(rf"GRPO update, prompt {prompt}: ([0-9.e-]+) GFLOP .* that is ([0-9.e-]+) s: measured ([0-9.e-]+) s, ([0-9.]+)x", out)
+        assert update and float(update[1]) > 0 and float(update[3]) > 0 and float(update[4]) > 0
+
+
+def test_benchmark_counts_the_tokens_an_update_reads_with_the_prompt_per_rollout_or_once_per_group():
+    import benchmark
+
+    rollouts = [sampling.Rollout([1] * 10, [2] * c, "", False) for c in (3, 4)] + [sampling.Rollout([5] * 6, [2] * 2, "", False)]
+    assert benchmark.tokens_read(rollouts, share_prompt=False) == 13 + 14 + 8
+    assert benchmark.tokens_read(rollouts, share_prompt=True) == (10 + 3 + 4) + (6 + 2)  # each prompt once per group
 
 
 def test_resume_auto_starts_a_run_continues_it_and_refuses_a_run_of_other_settings(tiny_model_dir, tmp_path, monkeypatch, capsys):
