@@ -11,10 +11,12 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import logging
+import os
 
 import torch
 
 import data
+import distributed
 import model
 import vllm_sampler
 
@@ -50,10 +52,6 @@ def profile(device: str) -> dict:
 
 class UsageError(ValueError):
     """A bad command line; the message says what to change."""
-
-
-class TrainingError(RuntimeError):
-    """Training cannot go on (e.g. non-finite updates in a row); the last good state is saved."""
 
 
 def parse_args(args_class, argv: list[str] | None = None, description: str = ""):
@@ -141,3 +139,14 @@ def merged_dtype(args) -> torch.dtype:
     (--bf16-autocast, --bf16-weights), float32 where it does not (a CPU without bfloat16 arithmetic:
     there a float32 copy still saves peft's adapter matmuls, docs/speed.md)."""
     return torch.bfloat16 if args.bf16_autocast or args.bf16_weights else torch.float32
+
+
+def check_gpus_per_node(device: str, world: distributed.World) -> None:
+    """Under torchrun on GPUs each rank takes the GPU numbered by its LOCAL_RANK: refuse more processes on
+    a machine than it has GPUs (every rank raises, rank 0 says it) instead of CUDA's 'invalid device ordinal'."""
+    if device != "cuda" or not world.launched:
+        return
+    gpus, per_node = torch.cuda.device_count(), int(os.environ.get("LOCAL_WORLD_SIZE", 1))
+    if per_node > gpus:
+        raise UsageError(f"torchrun started {per_node} processes on this machine but it has {gpus} GPU(s): "
+                         f"run one process per GPU (--nproc_per_node {gpus})")

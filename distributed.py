@@ -31,8 +31,6 @@ import torch
 import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel
 
-import config
-
 
 @dataclass(frozen=True)
 class World:
@@ -155,14 +153,3 @@ def from_main(obj, world: World):
 def barrier(world: World) -> None:
     if world.launched:
         dist.barrier()
-
-
-def check_gpus_per_node(device: str, world: World) -> None:
-    """Under torchrun on GPUs each rank takes the GPU numbered by its LOCAL_RANK: refuse more processes on
-    a machine than it has GPUs (every rank raises, rank 0 says it) instead of CUDA's 'invalid device ordinal'."""
-    if device != "cuda" or not world.launched:
-        return
-    gpus, per_node = torch.cuda.device_count(), int(os.environ.get("LOCAL_WORLD_SIZE", 1))
-    if per_node > gpus:
-        raise config.UsageError(f"torchrun started {per_node} processes on this machine but it has {gpus} GPU(s): "
-                         f"run one process per GPU (--nproc_per_node {gpus})")

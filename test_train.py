@@ -113,8 +113,8 @@ def test_resume_refuses_a_model_other_than_the_runs(tiny_model_dir, tmp_path, mo
     monkeypatch.setattr(train.rewards, "reward", length_reward)
     out = tmp_path / "run"
     assert train.main(tiny_args(tiny_model_dir, out, "--steps", "1")) == 0
-    config = json.loads((out / "config.json").read_text())
-    (out / "config.json").write_text(json.dumps(config | {"model_resolved": "Qwen/Qwen2.5-3B-Instruct"}))
+    saved = json.loads((out / "config.json").read_text())
+    (out / "config.json").write_text(json.dumps(saved | {"model_resolved": "Qwen/Qwen2.5-3B-Instruct"}))
     capsys.readouterr()
     assert train.main(tiny_args(tiny_model_dir, out, "--steps", "2", "--resume")) == 2
     err = capsys.readouterr().err.strip()
@@ -162,10 +162,10 @@ def test_default_command_on_a_cpu_takes_the_built_in_task_without_touching_the_n
             "--prompts-per-step", "1", "--lora-rank", "4", "--out-dir", str(out)]
     with caplog.at_level(logging.INFO, logger="pods"):
         assert train.main(argv) == 0
-    config = json.loads((out / "config.json").read_text())
-    assert config["dataset"] == "arith" and config["device"] == "cpu" and config["share_prompt"] is True
+    saved = json.loads((out / "config.json").read_text())
+    assert saved["dataset"] == "arith" and saved["device"] == "cpu" and saved["share_prompt"] is True
     assert [p.name for p in checkpoint.find(out)] == ["checkpoint-1"]
-    assert config["bf16_autocast"] is bf16_cpu and config["merged_sampler"] is True
+    assert saved["bf16_autocast"] is bf16_cpu and saved["merged_sampler"] is True
     backend = "a bfloat16 copy, LoRA merged" if bf16_cpu else "a float32 copy, LoRA merged; float32: this CPU has no bfloat16 arithmetic"
     assert f"on arith with transformers ({backend}) generation, writing {out}" in caplog.text
     assert "slower" not in caplog.text  # no warning: the defaults are the CPU's own
@@ -535,8 +535,8 @@ def test_every_training_flag_reaches_the_run(tiny_model_dir, tmp_path, monkeypat
     group = optimizers[0]
     assert (group["betas"], group["weight_decay"]) == ((0.8, 0.95), 0.02)
     assert json.loads((out / "checkpoint-3" / "adapter_config.json").read_text())["lora_alpha"] == 16
-    config = json.loads((out / "config.json").read_text())
-    assert (config["seed"], config["max_grad_norm"], config["max_prompt_tokens"]) == (3, 0.5, 200)
+    saved = json.loads((out / "config.json").read_text())
+    assert (saved["seed"], saved["max_grad_norm"], saved["max_prompt_tokens"]) == (3, 0.5, 200)
     other_seed = tmp_path / "seed0"
     assert train.main(tiny_args(tiny_model_dir, other_seed, "--steps", "1")) == 0
     assert json.loads((other_seed / "checkpoint-1" / "trainer_state.json").read_text())["data_position"] == 2
@@ -548,7 +548,7 @@ def test_every_training_flag_reaches_the_run(tiny_model_dir, tmp_path, monkeypat
 
 @pytest.mark.parametrize("bf16_cpu", [True, False], ids=["cpu-with-bfloat16", "cpu-without-bfloat16"])
 def test_benchmark_runs_for_small_n_and_leaves_out_m_below_2(tiny_model_dir, capsys, monkeypatch, bf16_cpu):
-    """--benchmark --n 4 once ran its timed work and then crashed on m = n/4 = 1. Through benchmark.py's entry point,
+    """`python benchmark.py --n 4` once ran its timed work and then crashed on m = n/4 = 1. Through benchmark.py's entry point,
     on either kind of CPU: a merged bfloat16 copy samples slightly off the update's float32 log-probs, a float32 copy does not."""
     import benchmark
 

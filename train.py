@@ -114,9 +114,13 @@ class Args:
 
 def train_loop(args, model, tokenizer, optimizer, scheduler, sampler, stream, state, rng, out_dir, metrics_path,
                world: distributed.World = distributed.World(), resumed: bool = False):
-    """Steps until --steps, the time budget or a Ctrl-C, then a final checkpoint. Under torchrun each
-    rank runs this loop on its share of the prompts; `distributed.any_rank` and `reduce_row` keep the
-    ranks agreeing on when to stop and on what to report, and only rank 0 writes."""
+    """Algorithm 1, one step per iteration: 1. draw prompts, 2-3. sample n rollouts per prompt and score
+    them, 4. keep m of each prompt's n (pods.py), 5. advantages from the kept rewards (grpo.py), 6. one
+    update on the kept rollouts (update.py), 7. hand the new adapter to the sampler; then a metrics row
+    and, when due, a checkpoint. Until --steps, the time budget, a Ctrl-C or --max-skipped-steps
+    non-finite updates in a row, then a final checkpoint. Under torchrun each rank runs this loop on its
+    share of the prompts; `distributed.any_rank` and `reduce_row` keep the ranks agreeing on when to
+    stop and on what to report, and only rank 0 writes."""
     stop = {"requested": False}
     previous_handlers = {sig: signal.signal(sig, progress.ctrl_c_handler(stop)) for sig in progress.STOP_SIGNALS}
     last_save_s = state["elapsed_s"]
@@ -125,9 +129,8 @@ def train_loop(args, model, tokenizer, optimizer, scheduler, sampler, stream, st
     skipped_in_a_row = 0
     try:
         with open(metrics_path if world.is_main else os.devnull, "a") as metrics_file:
-            while state["step"] < args.steps and not distributed.any_rank(stop["requested"], world):
-                if skipped_in_a_row >= args.max_skipped_steps:
-                    break
+            while (state["step"] < args.steps and skipped_in_a_row < args.max_skipped_steps
+                   and not distributed.any_rank(stop["requested"], world)):
                 if args.time_budget and state["elapsed_s"] >= args.time_budget * 60:
                     log.info("time budget of %.1f min reached", args.time_budget)
                     break
@@ -248,7 +251,7 @@ def train(args: Args, world: distributed.World = distributed.World()) -> Path:
     resuming = checkpoint.continues(args.resume, out_dir, found)
     if resuming:
         checkpoint.check_resume_config(out_dir, args, world.size)
-    distributed.check_gpus_per_node(device, world)
+    config.check_gpus_per_node(device, world)
     checkpoint.make_out_dir(out_dir)
     distributed.start(world)  # torchrun: meet the other ranks (every rank has passed the checks above)
     distributed.barrier(world)  # ... before rank 0 writes anything into out_dir

@@ -3,8 +3,8 @@
 TRL is not a dependency of this project; measure it in a venv of its own (docs/speed.md):
 
     python3 -m venv .venv-trl && .venv-trl/bin/pip install torch==2.13.0 "trl==1.16.*" peft transformers datasets
-    .venv-trl/bin/python docs/bench_trl.py                  # 6 optimizer steps (run `python sampling.py` once first)
-    .venv-trl/bin/python docs/bench_trl.py --max-steps 3    # quick smoke test
+    .venv-trl/bin/python reproduce/bench/bench_trl.py                  # 6 optimizer steps (run `python sampling.py` once first)
+    .venv-trl/bin/python reproduce/bench/bench_trl.py --max-steps 3    # quick smoke test
 
 Configuration matched to our trainer's CPU preset: SmolLM2-135M-Instruct (fp32), LoRA r=16 / alpha=32 on all
 attention + MLP projections, 4 prompts x 8 generations = 32 completions per optimizer step, max 32 new tokens,

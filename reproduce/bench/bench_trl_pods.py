@@ -2,12 +2,12 @@
 
 TRL is optional; run it in the venv of requirements-trl.txt, on an idle machine:
 
-    .venv-trl/bin/python docs/bench_trl_pods.py                    # embedded SmolLM2-135M, 6 steps per configuration
-    .venv-trl/bin/python docs/bench_trl_pods.py --max-steps 1 --warmup-steps 0 --model DIR   # smoke test
+    .venv-trl/bin/python reproduce/bench/bench_trl_pods.py                    # embedded SmolLM2-135M, 6 steps per configuration
+    .venv-trl/bin/python reproduce/bench/bench_trl_pods.py --max-steps 1 --warmup-steps 0 --model DIR   # smoke test
 
 Three configurations run back to back in one process, each from the same fresh model and seed: TRL GRPO
 (all n = 8 rollouts of each prompt trained on), then PODS (max_variance) keeping m = 4 and m = 2. Each step
-generates 4 prompts x 8 rollouts of at most 32 new tokens (the CPU preset of docs/bench_trl.py: LoRA r=16 on
+generates 4 prompts x 8 rollouts of at most 32 new tokens (the CPU preset of reproduce/bench/bench_trl.py: LoRA r=16 on
 all projections, fp32, lr 1e-4, beta 0, one update per generation, so no old/reference log-prob passes) and
 trains on them in gradient_accumulation_steps = 32 / --micro-batch micro-batches; PODS's micro-batches hold
 m/n as many rollouts. loss_type="grpo" (grpo.grpo_loss's normalization).
