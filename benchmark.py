@@ -171,11 +171,13 @@ def benchmark(args: train.Args, repeats: int = 2) -> list[dict]:
         print(f"sampler/trainer |log p| gap per completion token: mean {np.mean([g[0] for g in gaps]):.4f}, "
               f"max {np.max([g[1] for g in gaps]):.4f} (each repeat's on-policy update; the first with a fresh LoRA)")
     layer_params, head_params = linear_params(model)
+    steps = len(micro_batches(rollouts, args.micro_batch))  # forward/backward passes of GRPO's update
+    computing = sampler.model if getattr(sampler, "merged", False) else model  # the dtype the update computes in
     for share, row in zip(shares, rows[:2]):  # GRPO's update (m = n), per row and shared
         read, completion = float(np.mean(update_tokens[share])), float(np.mean(tokens))
         gflop = 2 * 2 * (layer_params * read + head_params * completion) / 1e9  # forward, and backward to the inputs
-        rate = 2 * (layer_params + head_params) * read / len(micro_batches(rollouts, args.micro_batch)) / matmuls_ms(
-            sampler.model if getattr(sampler, "merged", False) else model, round(read / len(micro_batches(rollouts, args.micro_batch)))) / 1e6
+        rows_per_pass = round(read / steps)
+        rate = 2 * (layer_params + head_params) * rows_per_pass / matmuls_ms(computing, rows_per_pass) / 1e6  # GFLOP/s
         print(f"GRPO update, prompt {'shared' if share else 'per row'}: {gflop:.3g} GFLOP in its matrix products ({read:.0f} tokens "
               f"through the layers, {completion:.0f} through the LM head, forward and backward); at the {rate:.0f} GFLOP/s its "
               f"layers reach alone at a micro-batch's shape that is {gflop / rate:.2g} s: measured {row['update_s']:.2g} s, "

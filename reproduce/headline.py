@@ -37,7 +37,7 @@ from plot import PlotError, Comparison, compare
 from reference_clock import PRICINGS, ReferenceClock
 from report import interval_text, ratio_text
 from stats import (
-    leave_one_out_speedups, mean_accuracy_difference, paired_differences, paired_speedup, speedup_of_means, t_interval)
+    leave_one_out_speedups, mean_accuracy_difference, paired_differences, paired_speedup, seed_differences, speedup_of_means)
 
 MINUTES = (2, 5, 10)  # the fixed minutes at which the paired difference is read
 FRACS = (0.99, 0.9)  # the authors' target, and a lower one further from the checkpoint noise at the ceiling
@@ -109,16 +109,14 @@ def draw(panels: list[tuple[str, Comparison]], out: Path) -> None:
     for ax, (name, comparison) in zip(axes[0], panels):
         base, other = pair(comparison)
         grid = np.linspace(0, comparison.horizon, 200)
-        difference = (np.array([np.interp(grid, t, a) for t, a in comparison.groups[other]])
-                      - np.array([np.interp(grid, t, a) for t, a in comparison.groups[base]]))  # [seeds, times]
-        for seed_difference in difference:
+        for seed_difference in seed_differences(comparison.groups[base], comparison.groups[other], grid):
             ax.plot(grid / 60, seed_difference, color="tab:blue", linewidth=0.7, alpha=0.45)
-        mean, low, high = np.array([t_interval(difference[:, j]) for j in range(len(grid))]).T
+        mean, low, high = np.array(paired_differences(comparison.groups[base], comparison.groups[other], grid)).T
         ax.fill_between(grid / 60, low, high, color="tab:blue", alpha=0.2, linewidth=0, label="95% t interval of the mean")
         ax.plot(grid / 60, mean, color="tab:blue", linewidth=2.2, label="mean over seeds")
         ax.plot([], [], color="tab:blue", linewidth=0.7, alpha=0.45, label="one seed")
         ax.axhline(0, color="black", linewidth=0.8)
-        ax.set_title(f"{name}: {other.replace('max_variance ', '')} - {base}\n{len(difference)} seeds, "
+        ax.set_title(f"{name}: {other.replace('max_variance ', '')} - {base}\n{len(comparison.groups[base])} seeds, "
                      f"{comparison.horizon / 60:.1f} min", fontsize=10)
         ax.set_xlabel("training time on the reference clock (modelled minutes)")
         ax.grid(alpha=0.3)

@@ -73,11 +73,17 @@ def paired_differences(base_runs: Runs, other_runs: Runs, times: list[float],
     interpolated there, with its paired t interval (t_interval). The i-th runs of the two lists must be
     the same seed (group_curves orders them so). [(mean, low, high)] per time. Each time is a test of
     its own: a run of them is the reading, not any one."""
+    difference = seed_differences(base_runs, other_runs, times)
+    return [t_interval(difference[:, j], level) for j in range(len(times))]
+
+
+def seed_differences(base_runs: Runs, other_runs: Runs, times) -> np.ndarray:
+    """Each seed's (other - baseline) test accuracy at `times`, each run's curve interpolated there:
+    [seeds, times]. The i-th runs of the two lists must be the same seed."""
     if len(base_runs) != len(other_runs):
         raise PlotError(f"paired differences need the same seeds in both settings ({len(base_runs)} against {len(other_runs)} runs)")
-    difference = (np.array([np.interp(times, t, a) for t, a in other_runs])
-                  - np.array([np.interp(times, t, a) for t, a in base_runs]))  # [seeds, times]
-    return [t_interval(difference[:, j], level) for j in range(len(times))]
+    return (np.array([np.interp(times, t, a) for t, a in other_runs])
+            - np.array([np.interp(times, t, a) for t, a in base_runs]))
 
 
 def mean_accuracy(run: tuple[list[float], list[float]], horizon: float) -> float:
