@@ -8,25 +8,33 @@ relative to GRPO's. It then sets GRPO's update against its arithmetic (the FLOPs
 products, and the rate this CPU reaches on those products alone at a micro-batch's shape; attention's
 score products are left out) and, with the transformers backend, one decode step against its own
 (`decode_step_ms`), and prints the gap between the sampler's and the trainer's log-probabilities.
+Last, for PODS with m = n/2, the update on the kept groups against the update on the informative ones
+alone (`--uniform-groups keep` against `skip`), on the same batches. `--resume --out-dir RUN` starts
+from the adapter of RUN's last checkpoint: a trained policy, whose groups are more often uniform.
 
 Usage:
     python benchmark.py --dataset arith --n 8 --prompts-per-step 4
+    python benchmark.py --dataset arith:2 --n 8 --prompts-per-step 4 --resume --out-dir runs/pods   # a trained policy
 """
 
 from __future__ import annotations
 
 import dataclasses
+import json
 import os
 import sys
 import time
+from pathlib import Path
 
 import numpy as np
 import torch
 
+import checkpoint
 import config
 import data
 import grpo
 import model as models
+import pods
 import sampling
 import train
 import vllm_sampler
@@ -109,7 +117,17 @@ def benchmark(args: train.Args, repeats: int = 2) -> list[dict]:
     rng = np.random.default_rng(args.seed)
     model_name = models.pick_model(args.model, device)
     model, tokenizer = models.load_trainable_policy(model_name, device, args.lora_rank, args.lora_alpha, args.bf16_weights,
-                                                    args.gradient_checkpointing)
+                                                    args.gradient_checkpointing, args.bf16_autocast)
+    found = checkpoint.find(Path(args.out_dir)) if args.resume != "no" and Path(args.out_dir).exists() else []
+    if args.resume == "yes" and not found:
+        raise config.UsageError(f"--resume: no checkpoint-STEP directory in {args.out_dir}")
+    if found:  # a trained policy: the adapter of --out-dir's last checkpoint, on the model and LoRA shape it trained
+        checkpoint.check_resumed_model(Path(args.out_dir), model_name)
+        trained = json.loads((Path(args.out_dir) / "config.json").read_text())
+        for name in ("lora_rank", "lora_alpha"):
+            if trained.get(name, getattr(args, name)) != getattr(args, name):
+                raise config.UsageError(f"--resume: {args.out_dir} trained with --{name.replace('_', '-')} {trained[name]}; pass it")
+        checkpoint.load_adapter(found[-1], model)
     examples = data.load_examples(args.dataset, "train", seed=args.seed)
     stream = data.PromptStream(examples, lambda question: sampling.build_prompt(tokenizer, question), args.max_prompt_tokens, args.seed)
     optimizer = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=args.lr)
@@ -125,6 +143,7 @@ def benchmark(args: train.Args, repeats: int = 2) -> list[dict]:
     upd_s = {(m, share): [] for m in ms for share in shares}
     mem_mb = {(m, share): [] for m in ms for share in shares}
     tokens, update_tokens = [], {share: [] for share in shares}  # completion tokens; tokens each update reads
+    skip_m, uniform_share, skip_s = ms[min(1, len(ms) - 1)], [], []  # keep against skip: PODS m = n/2, the profile's prompt setting
     for repeat in range(repeats):
         batch = stream.next_batch(args.prompts_per_step)
         for share in generation_shares:
@@ -148,6 +167,16 @@ def benchmark(args: train.Args, repeats: int = 2) -> list[dict]:
                 mem_mb[m, share].append(peak)
                 if m == args.n and not share and "sampler_gap_mean" in stats:
                     gaps.append((stats["sampler_gap_mean"], stats["sampler_gap_max"]))
+            if m == skip_m:  # --uniform-groups skip: the same update on the informative groups alone
+                informative = pods.informative_groups(scores[kept_idx].view(-1, m))
+                uniform_share.append(1 - informative.mean())
+                rows = [kept_idx[g * m + j] for g in np.flatnonzero(informative) for j in range(m)]
+                start = time.perf_counter()  # timed as keep's was, peak_memory_mb's sampling thread included
+                if rows:
+                    peak_memory_mb(lambda: policy_update(model, optimizer, scheduler, [rollouts[i] for i in rows],
+                                                         advantages.view(-1, m)[informative].flatten(), train.update_settings(run),
+                                                         tokenizer.pad_token_id))
+                skip_s.append(time.perf_counter() - start)
         sampler.update_weights(model)  # the next repeat samples the trained policy, as in training
     rows = []
     for m in ms:
@@ -167,12 +196,17 @@ def benchmark(args: train.Args, repeats: int = 2) -> list[dict]:
     print(f"completion tokens per step: {np.mean(tokens):.0f}; GRPO step time per completion token: "
           f"{1000 * grpo_step / float(np.mean(tokens)):.1f} ms with the prompt per rollout, "
           f"{1000 * rows[1]['step_s'] / float(np.mean(tokens)):.1f} ms shared")
+    keep_s = np.mean(upd_s[skip_m, args.share_prompt])
+    print(f"--uniform-groups, {'GRPO' if skip_m == args.n else 'PODS'} n={args.n} m={skip_m}, prompt {'shared' if args.share_prompt else 'per row'}: "
+          f"{np.mean(uniform_share):.2f} of the kept groups uniform; update {keep_s:.2f} s keeping them (keep), {np.mean(skip_s):.2f} s "
+          f"without them (skip), {np.mean(skip_s) / keep_s:.2f}x")
     if gaps:
         print(f"sampler/trainer |log p| gap per completion token: mean {np.mean([g[0] for g in gaps]):.4f}, "
-              f"max {np.max([g[1] for g in gaps]):.4f} (each repeat's on-policy update; the first with a fresh LoRA)")
+              f"max {np.max([g[1] for g in gaps]):.4f} (each repeat's on-policy update)")
     layer_params, head_params = linear_params(model)
     steps = len(micro_batches(rollouts, args.micro_batch))  # forward/backward passes of GRPO's update
     computing = sampler.model if getattr(sampler, "merged", False) else model  # the dtype the update computes in
+    arithmetic_s = {}  # GRPO's update at its matmul rate, per row and shared
     for share, row in zip(shares, rows[:2]):  # GRPO's update (m = n), per row and shared
         read, completion = float(np.mean(update_tokens[share])), float(np.mean(tokens))
         gflop = 2 * 2 * (layer_params * read + head_params * completion) / 1e9  # forward, and backward to the inputs
@@ -182,6 +216,7 @@ def benchmark(args: train.Args, repeats: int = 2) -> list[dict]:
               f"through the layers, {completion:.0f} through the LM head, forward and backward); at the {rate:.0f} GFLOP/s its "
               f"layers reach alone at a micro-batch's shape that is {gflop / rate:.2g} s: measured {row['update_s']:.2g} s, "
               f"{row['update_s'] / (gflop / rate):.1f}x its arithmetic")
+        arithmetic_s[share] = gflop / rate, rate
     if not vllm:
         rows_per_step = 32
         tuned = decode_step_ms(sampler, batch[0][0], rows_per_step)
@@ -194,6 +229,17 @@ def benchmark(args: train.Args, repeats: int = 2) -> list[dict]:
               f"{copy}, {plain:.0f} ms sampling the trained model itself; "
               f"its arithmetic ({2 * params * rows_per_step / 1e9:.1f} GFLOP): the same matrix products alone take "
               f"{floor:.0f} ms, so the step is {tuned / floor:.1f}x its arithmetic")
+        # the whole step, prompt shared: generation = each prompt's prefill at the update's rate, then as many decode steps
+        # as the longest completion, each for all rows at the decode step's rate; the update as above
+        update_arithmetic, rate = arithmetic_s[True]
+        decode_steps = max(len(r.completion_ids) for r in rollouts)
+        generation_arithmetic = (2 * layer_params * sum(len(prompt) for prompt, _ in batch) / (rate * 1e9)
+                                 + decode_steps * len(rollouts) / rows_per_step * floor / 1000)
+        measured = rows[1]
+        print(f"GRPO step, prompt shared: {measured['step_s']:.1f} s (generation {measured['generation_s']:.1f}, update "
+              f"{measured['update_s']:.1f}); its arithmetic {generation_arithmetic + update_arithmetic:.2g} s (generation "
+              f"{generation_arithmetic:.2g}: {len(batch)} prefills, {decode_steps} decode steps of {len(rollouts)} rows; update "
+              f"{update_arithmetic:.2g}): {measured['step_s'] / (generation_arithmetic + update_arithmetic):.1f}x")
     return rows
 
 
@@ -255,7 +301,7 @@ def main(argv: list[str] | None = None) -> int:
     args = config.parse_args(train.Args, sys.argv[1:] if argv is None else argv, __doc__.split("\n")[0])
     try:
         benchmark(args)
-    except (config.UsageError, data.DataError, models.SetupError) as err:
+    except (config.UsageError, data.DataError, models.SetupError, checkpoint.CheckpointError) as err:
         print(f"error: {err}", file=sys.stderr)
         return 2
     return 0

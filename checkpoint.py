@@ -91,10 +91,7 @@ def save(out_dir: Path, model, optimizer, scheduler, state: dict, rng: np.random
 def load(path: Path, model, optimizer, scheduler, rng: np.random.Generator,
          world: distributed.World = distributed.World()) -> dict:
     """Restore a checkpoint into this process; under torchrun, each rank takes its own random state."""
-    from peft import set_peft_model_state_dict
-    from safetensors.torch import load_file
-
-    set_peft_model_state_dict(distributed.unwrap(model), load_file(path / "adapter_model.safetensors"))
+    load_adapter(path, model)
     # map_location: tensors saved from rank 0's GPU would otherwise be restored onto GPU 0 by every rank
     saved = torch.load(path / "training_state.pt", map_location="cpu", weights_only=False)
     optimizer.load_state_dict(saved["optimizer"])
@@ -112,6 +109,14 @@ def load(path: Path, model, optimizer, scheduler, rng: np.random.Generator,
         np.random.set_state(mine["numpy_global"])
         random.setstate(mine["python"])
     return json.loads((path / "trainer_state.json").read_text())
+
+
+def load_adapter(path: Path, model) -> None:
+    """The checkpoint's LoRA weights into `model` (benchmark.py --resume times a trained policy with them alone)."""
+    from peft import set_peft_model_state_dict
+    from safetensors.torch import load_file
+
+    set_peft_model_state_dict(distributed.unwrap(model), load_file(path / "adapter_model.safetensors"))
 
 
 def parse_row(line: str) -> dict | None:
@@ -135,7 +140,8 @@ def drop_rows_after(path: Path, step: int) -> None:
 # ----------------------------------------------------------------------------- --resume
 
 
-RESUME_MUST_MATCH = ("model", "dataset", "n", "m", "rule", "lora_rank", "lora_alpha", "prompts_per_step", "max_prompt_tokens", "seed")
+RESUME_MUST_MATCH = ("model", "dataset", "n", "m", "rule", "uniform_groups", "lora_rank", "lora_alpha", "prompts_per_step", "max_prompt_tokens",
+                     "seed")
 OPTIMIZER_SETTINGS = ("lr", "adam_beta1", "adam_beta2", "weight_decay")  # saved in the optimizer's state; --resume takes the command's
 
 
@@ -150,7 +156,7 @@ def check_resume_config(out_dir: Path, args, world_size: int = 1) -> None:
     path = out_dir / "config.json"
     if not path.exists():
         return
-    saved = json.loads(path.read_text())
+    saved = {"uniform_groups": "keep"} | json.loads(path.read_text())  # a run from before --uniform-groups kept them
 
     def differing(names: tuple[str, ...]) -> list[str]:  # those of `names` the run saved with another value
         return [k for k in names if k in saved and saved[k] != getattr(args, k)]

@@ -24,6 +24,7 @@ log = logging.getLogger("pods")
 
 RULES = ("max_variance", "max_reward", "random", "none")
 RESUME_MODES = ("no", "yes", "auto")
+UNIFORM_GROUPS = ("keep", "skip", "refill")  # --uniform-groups: what a step does with groups whose kept rewards are all equal
 
 PROFILES = {
     "gpu": dict(prompts_per_step=1, max_new_tokens=512, lr=5e-6, lora_rank=64, lora_alpha=64, micro_batch=4, steps=1000,
@@ -93,6 +94,8 @@ def resolve(args, device: str, world_size: int = 1):
         raise UsageError(f"--m {args.m} must be <= --n {args.n}: PODS keeps m of the n rollouts it generates")
     if args.m < 2:
         raise UsageError(f"--m {args.m} must be >= 2: the advantage divides by the std of the kept rewards")
+    if args.uniform_groups not in UNIFORM_GROUPS:
+        raise UsageError(f"unknown --uniform-groups {args.uniform_groups!r}; choose one of {', '.join(UNIFORM_GROUPS)}")
     if args.backend not in ("auto", "vllm", "hf"):
         raise UsageError(f"unknown --backend {args.backend!r}; choose vllm, hf or auto")
     if args.temperature <= 0:
@@ -102,7 +105,8 @@ def resolve(args, device: str, world_size: int = 1):
     check_optimizer_flags(args)
     if args.tis_cap < 0 or (0 < args.tis_cap < 1):
         raise UsageError(f"--tis-cap {args.tis_cap} must be 0 (off) or >= 1 (a cap below 1 would shrink every token's weight)")
-    for name in ("prompts_per_step", "max_new_tokens", "micro_batch", "steps", "lora_rank", "gen_batch", "max_skipped_steps"):
+    for name in ("prompts_per_step", "max_new_tokens", "micro_batch", "steps", "lora_rank", "gen_batch", "max_skipped_steps",
+                 "max_refill_rounds"):
         if getattr(args, name) < 1:
             raise UsageError(f"--{name.replace('_', '-')} {getattr(args, name)} must be >= 1")
     if args.prompts_per_step % world_size:

@@ -9,6 +9,9 @@ groups: a group never spans ranks, so PODS itself needs no communication. DDP av
 gradients across ranks during the backward pass, so every rank takes the same optimizer step and
 the adapters stay identical. Every rank keeps the same number of rollouts, so the average of the
 ranks' mean losses is the mean over all of them: the gradient of one process holding every prompt.
+With --uniform-groups skip or refill the ranks may update on different numbers of rows; each then
+weights its loss by its rows / (all rows / ranks) (policy_update's rows_in_mean), and a rank with
+none joins the all-reduce with one row of weight 0 (train.py: sample_step).
 
 The rest is agreement: the ranks stop after the same step (time budget, Ctrl-C), report one row of
 metrics (means over all rollouts, seconds of the slowest rank), and rank 0 alone writes files.
@@ -121,7 +124,9 @@ def any_rank(flag: bool, world: World) -> bool:
 def reduce_row(row: dict, world: World, maxima: tuple[str, ...]) -> dict:
     """One metrics row for all ranks: the mean over ranks of each number, which is the mean over all
     rollouts since every rank has as many, except the `maxima` keys (the seconds of the slowest rank, a
-    largest value), the max over ranks."""
+    largest value), the max over ranks. (Where ranks update on different numbers of rows, policy_update
+    weights its statistics so that this mean is still that over all rows; counts such as train.py's
+    informative_rows are made global before, and so come out as they went in.)"""
     if not world.launched:
         return row
     keys = [k for k, v in row.items() if isinstance(v, (int, float)) and not isinstance(v, bool)]

@@ -255,6 +255,7 @@ def evaluate(path: str, settings: Settings, out: str | None, force: bool, backen
         sampler = make_vllm_sampler(base, tokenizer, prompts, adapters, settings, options)
     else:
         # as train.py generates: a copy with the adapter merged in, bfloat16, or float32 where the CPU emulates bfloat16
+        # (rounded once from the float32 base: train.py's copy rounds from its bfloat16-stored one, a hair further from W + BA)
         sampler = sampling.HFSampler(model, tokenizer, settings.max_new_tokens, settings.temperature, merged=True,
                                      merged_dtype=torch.bfloat16 if settings.precision == "bfloat16" else torch.float32)
     hf = f"a {settings.precision} copy, adapter merged" + ("" if settings.precision == "bfloat16" else f"; {models.FLOAT32_CPU}")

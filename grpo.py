@@ -11,6 +11,14 @@ For a prompt q with m kept rollouts o_1..o_m (after down-sampling) and rewards r
 `grpo_loss` returns -J. PODS changes only which rollouts enter: the mean and std are those of
 the m *kept* rewards (`group_advantages` on the down-sampled groups), not of all n.
 
+A group whose kept rewards are all equal has advantages exactly 0: with beta = 0 it adds nothing
+to the gradient, only rows to the mean. Leaving such groups out of the batch (train.py
+--uniform-groups skip or refill) keeps the gradient's direction and multiplies it by kept rows /
+informative rows. AdamW is nearly invariant to that scale (each step's direction barely changes,
+and eps matters less), but a step with fewer informative rows weighs relatively more in its moment
+estimates; and the norm before clipping grows as much, so clipping at --max-grad-norm binds more
+often (where it binds in both, the clipped gradients are nearly the same).
+
 Torch only. Run `python grpo.py` for a tiny worked example.
 """
 

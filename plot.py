@@ -269,13 +269,14 @@ def trailing_mean(values, window: int) -> np.ndarray:
 
 TRAINING_PANELS = (("reward_mean", "reward (all n)"), ("accuracy", "train accuracy (all n)"),
                    ("kept_accuracy", "train accuracy (kept m)"), ("completion_len", "completion tokens"),
-                   ("step_s", "seconds per step"))
+                   ("step_s", "seconds per step"), ("uniform_share", "uniform groups (share, before refill)"))
 
 
 def plot_training(run_dirs: list[Path], out: Path, smooth: int = 5) -> str:
     """Training curves from metrics.jsonl alone, no evaluation needed: one panel per metric of
     TRAINING_PANELS over training minutes, one line per run (the mean of the last `smooth` steps, the
-    raw values faint behind it). Returns a one-line summary per run."""
+    raw values faint behind it; a run whose rows lack a metric, e.g. uniform_share before it was logged, is left
+    out of that panel). Returns a one-line summary per run."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -283,20 +284,23 @@ def plot_training(run_dirs: list[Path], out: Path, smooth: int = 5) -> str:
 
     fig, axes = plt.subplots(1, len(TRAINING_PANELS), figsize=(4 * len(TRAINING_PANELS), 3.4))
     lines = [f"{'run':<36}{'steps':>7}{'minutes':>9}{'s/step':>8}{'accuracy, first -> last 10%':>30}"]
-    for run in run_dirs:
+    for number, run in enumerate(run_dirs):
         rows = read_metrics(run)
         if not rows:
             raise PlotError(f"{run} has no metrics.jsonl rows: pass a run's --out-dir")
         minutes = np.array([r["elapsed_s"] for r in rows]) / 60
         label = run.name
         for ax, (key, title) in zip(axes, TRAINING_PANELS):
-            values = np.array([r["elapsed_s"] - prev["elapsed_s"] if key == "step_s" else r.get(key, np.nan)
-                               for prev, r in zip([{"elapsed_s": 0.0}] + rows[:-1], rows)], dtype=float)
-            line, = ax.plot(minutes, trailing_mean(values, smooth), label=label, linewidth=1.5)
-            ax.plot(minutes, values, color=line.get_color(), alpha=0.25, linewidth=0.8)
             ax.set_title(title, fontsize=10)
             ax.set_xlabel("training minutes")
             ax.grid(alpha=0.3)
+            if key != "step_s" and not any(key in r for r in rows):
+                continue
+            values = np.array([r["elapsed_s"] - prev["elapsed_s"] if key == "step_s" else r.get(key, np.nan)
+                               for prev, r in zip([{"elapsed_s": 0.0}] + rows[:-1], rows)], dtype=float)
+            color = f"C{number % 10}"  # the run's colour in every panel, also where it is left out of one
+            ax.plot(minutes, trailing_mean(values, smooth), label=label, linewidth=1.5, color=color)
+            ax.plot(minutes, values, color=color, alpha=0.25, linewidth=0.8)
         tenth = max(1, len(rows) // 10)
         first, last = (float(np.mean([r["accuracy"] for r in part])) for part in (rows[:tenth], rows[-tenth:]))
         lines.append(f"{label:<36}{len(rows):>7}{minutes[-1]:>9.1f}{60 * minutes[-1] / len(rows):>8.1f}{f'{first:.3f} -> {last:.3f}':>30}")

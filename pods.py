@@ -10,6 +10,9 @@ LLM Reinforcement Learning" (arXiv 2504.13818).
   rewards for some k, so one sort and a scan over k find it in O(n log n):
   `max_variance_downsample`.
 - `downsample` applies a rule to a flat batch of groups (one group of n per prompt).
+- Groups with nothing to learn from: a group whose kept rewards are all equal gets advantages
+  exactly 0 (grpo.group_advantages). `informative_groups` finds the others, and `dynamic_sampling`
+  picks a step's groups from several rounds of them (DAPO's dynamic sampling; not in the paper).
 
 Numpy only; accepts lists, numpy arrays and torch tensors. Every rule returns m distinct
 indices, sorted ascending. Ties are broken deterministically: a stable sort orders equal
@@ -142,6 +145,35 @@ def downsample(
     return kept
 
 
+def informative_groups(kept_rewards) -> np.ndarray:
+    """Which groups have something to learn from: [groups, m] kept rewards -> [groups] bool.
+
+    A group is uniform (False) when every kept reward equals its first. grpo.group_advantages gives
+    such a group advantages exactly 0, so with no KL term it adds nothing to the gradient; the
+    rewards are compared in float32, as there, so the two always agree. DAPO's dynamic sampling
+    (Yu et al. 2025, "DAPO", arXiv 2503.14476, Section 3.2) filters out such groups (there by all of
+    a prompt's rewards; composed with PODS, by the m kept).
+    """
+    if hasattr(kept_rewards, "detach"):
+        kept_rewards = kept_rewards.detach().float().cpu().numpy()
+    r = np.asarray(kept_rewards, dtype=np.float32)
+    if r.ndim != 2:
+        raise ValueError(f"kept rewards must be shaped [groups, m], got shape {r.shape}")
+    if not np.all(np.isfinite(r)):
+        raise ValueError(f"rewards must be finite, got {r[~np.isfinite(r)].tolist()}; check the reward function")
+    return ~np.all(r == r[:, :1], axis=1)
+
+
+def dynamic_sampling(informative, target: int) -> list[int]:
+    """DAPO's dynamic sampling (Yu et al. 2025, arXiv 2503.14476, Section 3.2): of the groups drawn so
+    far, round after round and in order (`informative`, from `informative_groups`), the first `target`
+    informative ones; fewer when there are not that many yet (draw another round, or train on these).
+    """
+    if target < 0:
+        raise ValueError(f"target={target} must be >= 0")
+    return np.flatnonzero(np.asarray(informative, dtype=bool))[:target].tolist()
+
+
 def brute_force_max_variance(rewards: Sequence[float], m: int) -> float:
     """The largest variance over all C(n, m) subsets: the reference Lemma 3.1 is checked against."""
     r = _rewards_array(rewards)
@@ -159,6 +191,12 @@ def _demo() -> None:
         kept = downsample(rewards, m, name, rng=rng)
         print(f"  {name:<13} keeps {kept} -> rewards {rewards[kept].tolist()}, variance {rewards[kept].var():.4f}")
     print(f"  brute force best variance over C({len(rewards)},{m}) subsets: {brute_force_max_variance(rewards, m):.4f}")
+
+    rounds = [np.array([[1.0, 1.0], [0.0, 1.0], [0.0, 0.0]]), np.array([[1.0, 0.0], [0.0, 1.0], [1.2, 0.0]])]
+    informative = np.concatenate([informative_groups(kept) for kept in rounds])
+    print(f"\ndynamic sampling (DAPO), 3 groups a step: kept rewards {[g.tolist() for kept in rounds for g in kept]}")
+    print(f"  informative {informative.astype(int).tolist()}: round 1 has {int(informative[:3].sum())}, "
+          f"so round 2 is drawn and the step trains on groups {dynamic_sampling(informative, 3)} (the last dropped)")
 
     print("\nmax_variance_downsample (Lemma 3.1, O(n log n)) against brute-force enumeration, m = n/2:")
     print(f"  {'n':>6}  {'lemma 3.1':>11}  {'brute force':>14}")

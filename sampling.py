@@ -67,13 +67,14 @@ class HFSampler:
     each distinct prompt once, copy its KV cache to its n rows, then decode one token per row per
     step until every row has stopped.
 
-    Two measured speed mechanisms, each a small function below (docs/speed.md has the figures):
+    Three measured speed mechanisms, each a small function below (docs/speed.md has the figures):
     - `merged_copy` (with `merged=True`): decode with a copy of the policy whose LoRA is merged
       into its weights, in `merged_dtype`, refreshed by `update_weights` after every update (how
       vLLM serves a LoRA on a GPU). Without it every forward runs peft's ~210 extra adapter
-      matmuls, and under bfloat16 autocast casts the float32 weights to bfloat16 first.
+      matmuls.
     - `sample_tokens`: inverse-transform sampling, one random number per row instead of one per
       vocabulary entry.
+    - `reserve_cache`: the KV cache written in place, not grown by concatenation at every token.
     A bfloat16 copy's rounding makes the sampled distribution differ slightly from the one the update
     scores (a float32 copy's by float32 rounding only); the log-probabilities each rollout carries
     let update.policy_update measure that gap every step (`sampler_gap_mean`, `sampler_gap_max`). `merged=False`
@@ -134,7 +135,9 @@ class HFSampler:
                              use_cache=True, logits_to_keep=last_positions(1, width, device))  # prefill: the cache of every prompt token
             cache, logits = getattr(out, kv_cache_name()), out.logits[:, -1].repeat_interleave(n // copies, dim=0)
             cache.batch_repeat_interleave(n // copies)  # each prompt's cache copied to its n rows
-            mask, position = mask.repeat_interleave(n // copies, dim=0), mask.sum(1).repeat_interleave(n // copies)
+            reserve_cache(cache, self.max_new_tokens)  # each decode step writes in place (no growing by concatenation)
+            position = mask.sum(1).repeat_interleave(n // copies)
+            mask = torch.cat([mask.repeat_interleave(n // copies, dim=0), mask.new_ones(len(position), self.max_new_tokens)], dim=1)
             tokens, logprobs = [], []
             stopped = torch.zeros(len(mask), dtype=torch.bool, device=device)
             for step in range(self.max_new_tokens):  # decode: one token per row
@@ -145,8 +148,7 @@ class HFSampler:
                 stopped |= torch.isin(token, stops)
                 if step == self.max_new_tokens - 1 or bool(stopped.all()):
                     break
-                mask = torch.cat([mask, mask.new_ones(len(mask), 1)], dim=1)
-                logits = self.model(input_ids=token[:, None], attention_mask=mask, position_ids=(position + step)[:, None],
+                logits = self.model(input_ids=token[:, None], attention_mask=mask[:, : width + step + 1], position_ids=(position + step)[:, None],
                                     **{kv_cache_name(): cache}, use_cache=True).logits[:, -1]
         result = []
         rows, row_logprobs = torch.stack(tokens, 1).tolist(), torch.stack(logprobs, 1).tolist()
@@ -164,6 +166,39 @@ def kv_cache_name() -> str:
     from transformers.modeling_outputs import CausalLMOutputWithPast
 
     return "cache" if "cache" in CausalLMOutputWithPast.__dataclass_fields__ else "past_key_values"
+
+
+def reserve_cache(cache, tokens: int) -> None:
+    """Room for `tokens` more positions in every layer of a filled transformers DynamicCache, written in
+    place by each decode step. DynamicLayer.update grows keys and values by concatenation, so every
+    step copied every layer's whole cache (`cat` was 15% of a generation step on a 2-core CPU,
+    docs/speed.md). Each layer's keys and values become views of the filled part of [batch, heads,
+    filled + tokens, head_dim] buffers (`layer.room`); DynamicLayer's own code reads lengths and masks
+    from those views. Made for the decode loop above, which only appends: a cache that is reordered,
+    cropped or reset afterwards needs DynamicLayer's own update back. A cache with other kinds of
+    layers (sliding-window, shared or linear-attention ones, which keep their own lengths) is left as it is."""
+    from transformers.cache_utils import DynamicLayer
+
+    if any(type(layer) is not DynamicLayer for layer in cache.layers):
+        return
+    for layer in cache.layers:
+        filled = layer.keys.shape[-2]
+        layer.room = []
+        for current in (layer.keys, layer.values):
+            room = current.new_empty(*current.shape[:2], filled + tokens, current.shape[-1])
+            room[:, :, :filled] = current
+            layer.room.append(room)
+        layer.keys, layer.values = (room[:, :, :filled] for room in layer.room)
+        layer.update = functools.partial(write_in_place, layer)  # instead of DynamicLayer.update, for this layer
+
+
+def write_in_place(layer, key_states: torch.Tensor, value_states: torch.Tensor, *args, **kwargs):
+    """A reserved layer's update: the new positions written after the filled ones, the views extended over them."""
+    start, end = layer.keys.shape[-2], layer.keys.shape[-2] + key_states.shape[-2]
+    for room, new in zip(layer.room, (key_states, value_states)):
+        room[:, :, start:end] = new
+    layer.keys, layer.values = (room[:, :, :end] for room in layer.room)
+    return layer.keys, layer.values
 
 
 def last_positions(count: int, length: int, device) -> torch.Tensor:
@@ -216,7 +251,9 @@ def merged_copy(model, dtype: torch.dtype = torch.bfloat16):
 def refresh_merged_copy(clone, model) -> None:
     """Write the trained model's current LoRA weights into the merged copy: for every adapted
     layer, W + B A * scale (peft's get_delta_weight), rounded to the copy's dtype; W alone inside peft's
-    `disable_adapter()`. Only LoRA layers are trained, so the rest of the copy never changes."""
+    `disable_adapter()`. W as the trained model holds it: under the CPU profile's autocast already
+    rounded to bfloat16 (model.frozen_weights_for_autocast), as the update computes with it. Only LoRA
+    layers are trained, so the rest of the copy never changes."""
     for name, module in model.named_modules():
         if hasattr(module, "get_delta_weight") and hasattr(module, "base_layer"):  # a peft LoRA layer
             weight = module.base_layer.weight.float()

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import math
 import os
 import random
 import signal
@@ -118,7 +119,7 @@ def equal_groups() -> list[sampling.Rollout]:
 EQUAL_GROUP_ADVANTAGES = torch.tensor([1.0, -0.5, -0.5, 0.7, -0.7, 0.0, -1.0, 0.2, 0.8, 0.5, -1.1, 0.6])
 
 
-def update_on(model, rollouts, advantages, pad_id, beta: float = 0.0):
+def update_on(model, rollouts, advantages, pad_id, beta: float = 0.0, rows_in_mean: float | None = None):
     """One policy_update with plain SGD (its step is proportional to the gradient, unlike Adam's first
     step) and micro-batches of 2 (so DDP skips the sync on all but the last); the stats and the LoRA
     weights and gradients after it."""
@@ -126,7 +127,7 @@ def update_on(model, rollouts, advantages, pad_id, beta: float = 0.0):
     optimizer = torch.optim.SGD(params, lr=0.5)
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: 1.0)
     args = update.UpdateSettings(micro_batch=2, bf16_autocast=False, max_grad_norm=1e9, beta=beta, share_prompt=True)  # the CPU profile's
-    stats = update.policy_update(model, optimizer, scheduler, rollouts, advantages, args, pad_id)
+    stats = update.policy_update(model, optimizer, scheduler, rollouts, advantages, args, pad_id, rows_in_mean=rows_in_mean)
     return stats, [p.detach().clone() for p in params], [p.grad.clone() for p in params]
 
 
@@ -182,6 +183,74 @@ def test_two_processes_with_half_the_prompts_each_make_the_update_of_one_process
         assert rank["stats"]["grad_norm"] == pytest.approx(stats["grad_norm"], rel=1e-5)
         assert rank["stats"]["sampler_gap_max"] == pytest.approx(stats["sampler_gap_max"], abs=1e-5)  # the max over ranks
     assert all(torch.equal(a, b) for a, b in zip(ranks[0]["weights"], ranks[1]["weights"]))  # the ranks stay identical
+
+
+def uneven_ddp_worker(rank: int, model_dir: str, port: int, out: str) -> None:
+    """One of two ranks holding different numbers of the 12 rows, weighted as train.py weighs them (rows_in_mean = 12 / 2
+    ranks): 9 and 3, then 12 and none (rank 1 runs one row at weight 0, rows_in_mean inf, so the all-reduce completes)."""
+    os.environ.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE="2", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    world = distributed.world_from_env()
+    distributed.start(world)
+    torch.set_num_threads(1)
+    rollouts, results = equal_groups(), []
+    for on_rank_0 in (9, 12):
+        model, tokenizer = lora_policy(Path(model_dir))
+        mine = list(range(on_rank_0)) if rank == 0 else list(range(on_rank_0, 12))
+        if mine:
+            kept, advantages, rows_in_mean = [rollouts[i] for i in mine], EQUAL_GROUP_ADVANTAGES[mine], 12 / 2
+        else:
+            kept, advantages, rows_in_mean = rollouts[:1], torch.zeros(1), math.inf
+        stats, weights, grads = update_on(distributed.wrap(model, world), kept, advantages, tokenizer.pad_token_id, rows_in_mean=rows_in_mean)
+        results.append({"stats": distributed.reduce_row(stats, world, maxima=("sampler_gap_max",)), "weights": weights, "grads": grads})
+    torch.save(results, Path(out) / f"rank{rank}.pt")
+    distributed.finish(world)
+
+
+def test_ranks_with_different_numbers_of_rows_make_the_update_of_one_process_with_all(tiny_model_dir, tmp_path):
+    """--uniform-groups skip or refill under torchrun: ranks may update on different numbers of rows, or none. Weighted by
+    policy_update's rows_in_mean, DDP's average is the mean over all rows: the gradient, weights, loss and statistics of one
+    process holding them all, and a rank's row of weight 0 adds nothing to them."""
+    import torch.multiprocessing as mp
+
+    model, tokenizer = lora_policy(tiny_model_dir)
+    stats, weights, grads = update_on(model, equal_groups(), EQUAL_GROUP_ADVANTAGES, tokenizer.pad_token_id)
+    mp.spawn(uneven_ddp_worker, args=(str(tiny_model_dir), free_port(), str(tmp_path)), nprocs=2, join=True)
+    ranks = [torch.load(tmp_path / f"rank{r}.pt") for r in (0, 1)]
+    total = torch.cat([g.flatten() for g in grads]).norm()
+    for split in (0, 1):
+        for rank in ranks:
+            result = rank[split]
+            assert torch.cat([(a - b).flatten() for a, b in zip(result["grads"], grads)]).norm() / total <= 1e-5
+            assert max((a - b).abs().max().item() for a, b in zip(result["weights"], weights)) <= 1e-6
+            for key in ("loss", "clip_frac", "ratio_mean", "kl"):
+                assert result["stats"][key] == pytest.approx(stats[key], abs=1e-6), key
+            assert result["stats"]["grad_norm"] == pytest.approx(stats["grad_norm"], rel=1e-5)
+        assert all(torch.equal(a, b) for a, b in zip(ranks[0][split]["weights"], ranks[1][split]["weights"]))
+
+
+RANK_1_UNIFORM = """
+import itertools, os, sys
+sys.path.insert(0, os.getcwd())
+import train
+informative = itertools.cycle([0.0, 1.0, 0.0, 2.0])  # rank 0: every group informative; rank 1: every group uniform
+train.rewards.reward = (lambda completion, answer: next(informative)) if os.environ["RANK"] == "0" else (lambda completion, answer: 1.0)
+sys.exit(train.main())
+"""
+
+
+def test_torchrun_refill_with_a_rank_that_never_has_an_informative_group_agrees_on_the_rounds_and_finishes(tiny_model_dir, tmp_path):
+    """Rank 1 is always short, so both ranks draw a second round every step (2 rounds at most), their streams together;
+    rank 0's first 2 groups are the update's, rank 1 joins DDP's all-reduce at weight 0; the metrics are global."""
+    driver = tmp_path / "rank_1_uniform.py"
+    driver.write_text(RANK_1_UNIFORM)
+    out = tmp_path / "run"
+    argv = tiny_args(tiny_model_dir, out, "--steps", "2", "--prompts-per-step", "4", "--uniform-groups", "refill", "--max-refill-rounds", "2")
+    done = torchrun(2, *argv, script=str(driver))
+    assert done.returncode == 0, done.stderr[-3000:]
+    rows = read_metrics(out)
+    assert [(r["generation_rounds"], r["prompts_drawn"], r["uniform_share"], r["informative_rows"]) for r in rows] == [(2, 8, 0.5, 4)] * 2
+    assert all(r["grad_norm"] > 0 and r["skipped"] == 0 and math.isfinite(r["loss"]) for r in rows)
+    assert json.loads((out / "checkpoint-2" / "trainer_state.json").read_text())["data_position"] == 16
 
 
 def lora_policy_weights(model_dir: Path) -> list[torch.Tensor]:

@@ -462,3 +462,29 @@ def test_plot_train_draws_a_runs_training_curves_from_its_metrics_alone(tiny_run
     assert evaluation.main(["--plot-train", str(tmp_path / "nothing"), "--out", str(png)]) == 2
     assert "has no metrics.jsonl rows" in capsys.readouterr().err
 
+
+def test_plot_train_shows_the_share_of_uniform_groups_and_leaves_out_runs_that_did_not_log_it(tiny_run, tmp_path, monkeypatch):
+    """uniform_share (--uniform-groups, logged in every mode) has its panel; a run from before it was logged is drawn in
+    the other panels only, in its own colour in each."""
+    import matplotlib.axes
+
+    older = tmp_path / "older"
+    older.mkdir()
+    (older / "metrics.jsonl").write_text("".join(json.dumps({k: v for k, v in r.items() if k != "uniform_share"}) + "\n"
+                                                 for r in read_metrics(tiny_run)))
+    drawn = []
+    original = matplotlib.axes.Axes.plot
+
+    def recording_plot(ax, *args, **kwargs):
+        drawn.append((ax.get_title(), kwargs.get("label"), kwargs["color"]))
+        return original(ax, *args, **kwargs)
+
+    monkeypatch.setattr(matplotlib.axes.Axes, "plot", recording_plot)
+    assert evaluation.main(["--plot-train", str(tiny_run), str(older), "--out", str(tmp_path / "curves.png")]) == 0
+
+    def runs_in(key: str) -> list[tuple[str, str]]:  # (run, colour) of each line drawn in that metric's panel
+        return [(label, color) for title, label, color in drawn if title == dict(plot.TRAINING_PANELS)[key] and label]
+
+    assert runs_in("uniform_share") == [(tiny_run.name, "C0")]
+    assert runs_in("accuracy") == [(tiny_run.name, "C0"), ("older", "C1")]
+

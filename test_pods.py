@@ -316,6 +316,36 @@ def test_a_group_one_float32_step_from_uniform_is_normalized_not_zeroed():
     assert torch.equal(adv[1], formula[1]) and adv[1].ne(0).any()  # as before, however float32 rounds it
 
 
+def test_informative_groups_are_those_whose_kept_rewards_are_not_all_equal():
+    kept = [[1.0, 1.0], [0.0, 1.0], [0.0, 0.0], [1.2, 1.2], [2.0, 2.0 + 1e-12], [2.0, 2.0 + 1e-6]]
+    assert pods.informative_groups(kept).tolist() == [False, True, False, False, False, True]  # 1e-12 vanishes in float32
+    assert pods.informative_groups(torch.tensor([[0.2, 0.2, 0.2], [0.2, 0.2, 1.0]])).tolist() == [False, True]
+    assert pods.informative_groups(np.zeros((0, 4))).tolist() == []
+    with pytest.raises(ValueError, match=r"shaped \[groups, m\], got shape \(4,\)"):
+        pods.informative_groups([1.0, 0.0, 1.0, 1.0])
+    with pytest.raises(ValueError, match="must be finite"):
+        pods.informative_groups([[1.0, float("nan")]])
+
+
+@settings(max_examples=200, deadline=None)
+@given(st.lists(st.lists(st.sampled_from([0.0, 0.2, 1.0, 1.2, 1.2 + 1e-9]), min_size=4, max_size=4), min_size=1, max_size=6))
+def test_informative_groups_agree_with_group_advantages_exactly(kept):
+    """A group is uniform exactly where grpo.group_advantages gives it advantages all 0 (float32, as train.py's rewards)."""
+    rewards = torch.tensor(kept)
+    assert pods.informative_groups(rewards).tolist() == grpo.group_advantages(rewards).ne(0).any(dim=1).tolist()
+
+
+def test_dynamic_sampling_takes_the_first_informative_groups_in_the_order_drawn():
+    """DAPO's dynamic sampling over rounds: round 1 has one informative group of 3, round 2 three; the step's 3 are the
+    first three in order, the fourth is dropped; with too few it takes what there is; target 0 takes none."""
+    informative = [False, True, False, True, True, True]
+    assert pods.dynamic_sampling(informative, 3) == [1, 3, 4]
+    assert pods.dynamic_sampling(informative[:3], 3) == [1]
+    assert pods.dynamic_sampling(np.array(informative), 0) == [] and pods.dynamic_sampling([], 2) == []
+    with pytest.raises(ValueError, match="target=-1 must be >= 0"):
+        pods.dynamic_sampling(informative, -1)
+
+
 def test_token_logprobs_matches_log_softmax():
     logits = torch.randn(3, 5, 11)
     ids = torch.randint(0, 11, (3, 5))

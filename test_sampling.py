@@ -41,6 +41,24 @@ def test_shared_prefill_generates_the_same_tokens_as_prefilling_each_rollout(tin
     assert len({tuple(c) for group in generated[1] for c in group}) > 3  # sampled, not one repeated answer
 
 
+@pytest.mark.parametrize("merged", [False, True])
+def test_a_reserved_cache_generates_what_a_growing_one_does(tiny_model_dir, monkeypatch, merged):
+    """reserve_cache (keys and values written in place) against transformers' DynamicCache growing by
+    concatenation: the same tokens and log-probabilities."""
+    model, tokenizer = lora_policy(tiny_model_dir)
+    prompts = [[5, 6, 7, 8, 9, 10, 11], [12, 13, 14]]
+    results = []
+    for reserve in (sampling.reserve_cache, lambda cache, tokens: None):
+        monkeypatch.setattr(sampling, "reserve_cache", reserve)
+        sampler = sampling.HFSampler(model, tokenizer, max_new_tokens=10, temperature=0.9, merged=merged)
+        torch.manual_seed(0)
+        results.append([(r.completion_ids, r.logprobs) for group in sampler.generate(prompts, 4) for r in group])
+    (reserved, growing) = results
+    assert [ids for ids, _ in reserved] == [ids for ids, _ in growing]
+    assert [logprobs for _, logprobs in reserved] == [logprobs for _, logprobs in growing]
+    assert len({tuple(ids) for ids, _ in reserved}) > 2
+
+
 def test_sample_tokens_draws_from_the_tempered_distribution_and_returns_its_log_probability():
     logits = torch.tensor([[2.0, 1.0, -1e9, 0.0, -1e9]]).repeat(20_000, 1)  # two tokens impossible
     torch.manual_seed(0)

@@ -3,6 +3,7 @@ the GPU profile rehearsed on a CPU, and the faults a run survives."""
 
 from __future__ import annotations
 
+import itertools
 import json
 import logging
 import math
@@ -31,7 +32,8 @@ import train
 from testkit import length_reward, length_reward_script, lora_policy, read_metrics, tiny_args
 
 METRIC_KEYS = {"step", "elapsed_s", "generation_s", "update_s", "reward_mean", "reward_std", "kept_reward_std", "accuracy",
-               "format_rate", "completion_len", "truncated_frac", "loss", "clip_frac", "grad_norm", "lr", "n", "m"}
+               "format_rate", "completion_len", "truncated_frac", "loss", "clip_frac", "grad_norm", "lr", "n", "m",
+               "uniform_share", "generation_rounds", "prompts_drawn", "informative_rows"}  # the last four in every --uniform-groups mode
 
 
 def test_two_steps_write_metrics_and_an_adapter_then_resume_continues_at_step_3(tiny_model_dir, tmp_path, monkeypatch):
@@ -266,6 +268,8 @@ def test_ctrl_c_that_kills_the_generation_engine_saves_the_last_finished_step(ti
         (["--warmup-ratio", "2"], "--warmup-ratio 2.0 must be in [0, 1]"),
         (["--clip-eps", "-0.2"], "--clip-eps -0.2 must be >= 0"),
         (["--clip-eps-high", "-0.1"], "--clip-eps-high -0.1 must be >= 0"),
+        (["--uniform-groups", "drop"], "unknown --uniform-groups 'drop'; choose one of keep, skip, refill"),
+        (["--max-refill-rounds", "0"], "--max-refill-rounds 0 must be >= 1"),
     ],
 )
 def test_bad_input_exits_2_with_one_line(argv, message, tmp_path, capsys):
@@ -773,3 +777,124 @@ def test_kill_9_of_a_single_process_then_resume_continues_with_each_step_once(ti
                           cwd=Path(__file__).parent, capture_output=True, text=True, timeout=120)
     assert done.returncode == 0, done.stderr[-2000:]
     assert [r["step"] for r in read_metrics(out)] == list(range(1, last + 3))
+
+
+UNIFORM, MIXED = [1.0, 1.0, 1.0, 1.0], [0.0, 1.0, 0.0, 2.0]  # n=4 rewards: every rule keeps a uniform group of the first, none of the second
+
+
+def scripted_rewards(monkeypatch, *groups: list[float]) -> None:
+    """rewards.reward gives these groups of n rewards, one after the other and over again (it is called rollout by
+    rollout, group after group): which groups are uniform is fixed, whatever the tiny model writes."""
+    cycle = itertools.cycle([r for group in groups for r in group])
+    monkeypatch.setattr(train.rewards, "reward", lambda completion, answer: next(cycle))
+
+
+def spy_on_updates(monkeypatch) -> list[dict]:
+    """Each policy_update's rollouts, rows_in_mean and the LoRA gradient it left (unclipped under --max-grad-norm 1e9)."""
+    original, calls = train.policy_update, []
+
+    def spy(model, optimizer, scheduler, kept, *args, **kwargs):
+        update = original(model, optimizer, scheduler, kept, *args, **kwargs)
+        grad = torch.cat([p.grad.flatten() for p in model.parameters() if p.requires_grad])
+        calls.append({"kept": kept, "rows_in_mean": kwargs.get("rows_in_mean"), "grad": grad})
+        return update
+
+    monkeypatch.setattr(train, "policy_update", spy)
+    return calls
+
+
+def test_skip_leaves_uniform_groups_out_and_its_gradient_is_keeps_times_kept_over_informative_rows(tiny_model_dir, tmp_path, monkeypatch):
+    """One step on a uniform and an informative group (m=2 each, beta 0): keep updates on 4 rows, skip on 2; the uniform
+    group's gradient is exactly 0, so skip's gradient is keep's times 4 / 2."""
+    updates, rows = spy_on_updates(monkeypatch), {}
+    for mode in ("keep", "skip"):
+        scripted_rewards(monkeypatch, UNIFORM, MIXED)
+        out = tmp_path / mode
+        assert train.main(tiny_args(tiny_model_dir, out, "--steps", "1", "--uniform-groups", mode, "--max-grad-norm", "1e9")) == 0
+        (rows[mode],) = read_metrics(out)
+    keep, skip = updates
+    assert (len(keep["kept"]), len(skip["kept"])) == (4, 2) and skip["kept"] == keep["kept"][2:]  # the same rollouts
+    assert skip["grad"].norm() > 0 and torch.allclose(skip["grad"], keep["grad"] * 4 / 2, rtol=1e-6, atol=0)
+    assert rows["skip"]["grad_norm"] == pytest.approx(2 * rows["keep"]["grad_norm"], rel=1e-6)
+    for row in rows.values():  # logged in every mode
+        assert (row["uniform_share"], row["generation_rounds"], row["prompts_drawn"], row["informative_rows"]) == (0.5, 1, 2, 2)
+
+
+def test_a_step_whose_groups_are_all_uniform_makes_no_update_and_is_no_non_finite_skip(tiny_model_dir, tmp_path, monkeypatch):
+    """--uniform-groups skip, step 2 all uniform: no policy_update, no optimizer or scheduler step, the adapter as it was;
+    the step still counts (3 steps, 3 rows), and --max-skipped-steps 1 does not stop the run on it."""
+    from safetensors.torch import load_file
+
+    scripted_rewards(monkeypatch, MIXED, MIXED, UNIFORM, UNIFORM, MIXED, MIXED)  # two groups a step
+    updates = spy_on_updates(monkeypatch)
+    out = tmp_path / "run"
+    argv = tiny_args(tiny_model_dir, out, "--steps", "3", "--uniform-groups", "skip", "--save-every-steps", "1", "--max-skipped-steps", "1")
+    assert train.main(argv) == 0
+    rows = read_metrics(out)
+    assert [r["step"] for r in rows] == [1, 2, 3] and len(updates) == 2
+    assert [r["informative_rows"] for r in rows] == [4, 0, 4] and [r["uniform_share"] for r in rows] == [0.0, 1.0, 0.0]
+    assert (rows[1]["grad_norm"], rows[1]["skipped"], "loss" in rows[1]) == (0.0, 0, False)
+    adapters = [load_file(out / f"checkpoint-{s}" / "adapter_model.safetensors") for s in (1, 2, 3)]
+    assert all(torch.equal(adapters[0][k], adapters[1][k]) for k in adapters[0])  # step 2 changed nothing
+    assert any(not torch.equal(adapters[1][k], adapters[2][k]) for k in adapters[1])  # step 3 trained
+    states = [torch.load(out / f"checkpoint-{s}" / "training_state.pt", weights_only=False) for s in (1, 2)]
+    assert states[0]["scheduler"] == states[1]["scheduler"]
+    for key, value in states[0]["optimizer"]["state"].items():
+        assert all(torch.equal(value[name], states[1]["optimizer"]["state"][key][name]) for name in ("step", "exp_avg", "exp_avg_sq"))
+
+
+def test_a_step_with_nothing_to_learn_from_neither_counts_nor_ends_a_run_of_non_finite_updates(tiny_model_dir, tmp_path, monkeypatch, capsys):
+    """Non-finite update, a step with no update, non-finite update: two non-finite updates in a row for --max-skipped-steps 2."""
+    scripted_rewards(monkeypatch, MIXED, MIXED, UNIFORM, UNIFORM)
+    nan_loss_on_steps(monkeypatch, {1, 2})  # counted in updates: steps 1 and 3
+    out = tmp_path / "run"
+    assert train.main(tiny_args(tiny_model_dir, out, "--steps", "5", "--uniform-groups", "skip", "--max-skipped-steps", "2")) == 1
+    assert [(r["skipped"], r["informative_rows"]) for r in read_metrics(out)] == [(1, 4), (0, 0), (1, 4)]
+    assert capsys.readouterr().err.strip().splitlines()[-1].startswith("error: 2 updates in a row had a non-finite loss")
+
+
+def test_refill_draws_full_batches_until_the_step_has_its_informative_groups_and_stops_at_max_refill_rounds(tiny_model_dir, tmp_path, monkeypatch):
+    """Rounds of 2 prompts: [uniform, informative], [uniform, uniform], [informative, informative]. Refill takes 3 rounds
+    for its 2 informative groups (the 2nd and 5th prompts drawn; the 6th is dropped), and the data position says 6
+    prompts were drawn; with --max-refill-rounds 2 it trains on the one it has after 2 rounds. Rule none: m = n = 4."""
+    tokenizer = models.load_policy(str(tiny_model_dir), "cpu", torch.float32)[1]
+    stream = data.PromptStream(data.load_examples("arith", "train"), lambda q: sampling.build_prompt(tokenizer, q), 512, seed=0)
+    prompts = [ids for ids, _ in stream.next_batch(6)]
+    updates = spy_on_updates(monkeypatch)
+    for rounds, drawn, kept_prompts in ((4, 6, [1, 4]), (2, 4, [1])):
+        scripted_rewards(monkeypatch, UNIFORM, MIXED, UNIFORM, UNIFORM, MIXED, MIXED)
+        out = tmp_path / f"max-{rounds}"
+        argv = tiny_args(tiny_model_dir, out, "--steps", "1", "--rule", "none", "--uniform-groups", "refill", "--max-refill-rounds", str(rounds))
+        assert train.main(argv) == 0
+        (row,) = read_metrics(out)
+        assert (row["generation_rounds"], row["prompts_drawn"], row["uniform_share"]) == (drawn // 2, drawn, 0.5)
+        assert row["informative_rows"] == 4 * len(kept_prompts)
+        generated = [UNIFORM, MIXED, UNIFORM, UNIFORM, MIXED, MIXED][:drawn]
+        assert row["reward_mean"] == row["kept_reward_mean"] == pytest.approx(np.mean(generated))  # over all rounds
+        assert json.loads((out / "checkpoint-1" / "trainer_state.json").read_text())["data_position"] == drawn
+        assert [r.prompt_ids for r in updates[-1]["kept"]] == [prompts[i] for i in kept_prompts for _ in range(4)]
+        assert updates[-1]["rows_in_mean"] == 4 * len(kept_prompts)
+
+
+def test_refill_resumed_at_step_2_ends_as_an_uninterrupted_run(tiny_model_dir, tmp_path, monkeypatch):
+    """Refill with the random rule (numpy's generator) and a reward that leaves many groups uniform: 2 steps then
+    --resume to 3 equals 3 steps, row for row (but the seconds), in data position and adapter; step 3 refills."""
+    from safetensors.torch import load_file
+
+    monkeypatch.setattr(train.rewards, "reward", lambda completion, answer: float(len(completion) % 2))
+    flags = ("--rule", "random", "--uniform-groups", "refill", "--max-refill-rounds", "2")
+    straight, resumed = tmp_path / "straight", tmp_path / "resumed"
+    assert train.main(tiny_args(tiny_model_dir, straight, "--steps", "3", *flags)) == 0
+    assert train.main(tiny_args(tiny_model_dir, resumed, "--steps", "2", *flags)) == 0
+    assert train.main(tiny_args(tiny_model_dir, resumed, "--steps", "3", *flags, "--resume")) == 0
+    rows = read_metrics(straight)
+
+    def untimed(rows: list[dict]) -> list[dict]:
+        return [{k: v for k, v in r.items() if k not in ("elapsed_s", "generation_s", "update_s")} for r in rows]
+
+    assert untimed(read_metrics(resumed)) == untimed(rows)
+    assert rows[2]["generation_rounds"] == 2 and rows[2]["uniform_share"] > 0  # a refill after the resume
+    states = [json.loads((run / "checkpoint-3" / "trainer_state.json").read_text()) for run in (straight, resumed)]
+    assert states[0]["data_position"] == states[1]["data_position"] == 2 * sum(r["generation_rounds"] for r in rows)
+    a, b = (load_file(run / "checkpoint-3" / "adapter_model.safetensors") for run in (straight, resumed))
+    assert all(torch.equal(a[k], b[k]) for k in a)

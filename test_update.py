@@ -98,6 +98,27 @@ def test_shared_prompt_update_gives_the_same_lora_gradients(tiny_model_dir, chec
     assert torch.cat([(a - b).flatten() for a, b in zip(shared_grads, unshared_grads)]).norm() / total <= 1e-4
 
 
+@pytest.mark.parametrize("share, beta, checkpointing", [(False, 0.0, False), (True, 0.0, False), (True, 0.1, True)])
+def test_frozen_weights_for_autocast_give_bit_identical_loss_and_gradients(tiny_model_dir, share, beta, checkpointing):
+    """Under bfloat16 autocast, base weights stored in bfloat16 and the adapters' input cast off
+    (the CPU profile's model) are the same numbers as float32 weights that autocast casts each time,
+    the KL term's reference pass (adapter off) and activation checkpointing's recomputation included."""
+    rollouts = mixed_length_groups()
+    advantages = torch.tensor([1.0, -0.5, -0.5, 0.7, -0.7, 0.3, -1.0, 0.2, 0.5])
+    results = []
+    for stored in (False, True):
+        model, tokenizer = checkpointed_lora_policy(tiny_model_dir, checkpointing)
+        if stored:
+            models.frozen_weights_for_autocast(model)
+        args = update.UpdateSettings(micro_batch=4, share_prompt=share, beta=beta, bf16_autocast=True, max_grad_norm=1e9)
+        stats, params = update_at_lr_0(model, rollouts, advantages, args, tokenizer.pad_token_id)
+        results.append((stats["loss"], stats["kl"], [p.grad.clone() for p in params]))
+    (loss, kl, grads), (stored_loss, stored_kl, stored_grads) = results
+    assert (stored_loss, stored_kl) == (loss, kl) and (kl > 0) == (beta > 0)
+    assert all(torch.equal(a, b) for a, b in zip(grads, stored_grads))
+    assert model.base_model.model.model.layers[0].self_attn.q_proj.base_layer.weight.dtype == torch.bfloat16
+
+
 @pytest.mark.parametrize("merged", [None, torch.bfloat16, torch.float32], ids=["trained-model", "bfloat16-copy", "float32-copy"])
 def test_sampler_logprobs_match_the_update_within_a_measured_bound(tiny_model_dir, merged):
     """The log-probabilities the transformers sampler returns, against what policy_update scores for

@@ -71,6 +71,8 @@ class Args:
     n: int = arg(32, "rollouts generated per prompt")
     m: int = arg(16, "rollouts kept per prompt for the update (PODS); ignored with --rule none")
     rule: str = arg("max_variance", "down-sampling rule: max_variance | max_reward | random | none (vanilla GRPO on all n)")
+    uniform_groups: str = arg("keep", "groups whose kept rewards are all equal: keep (the paper) | skip (left out of the update) | refill (DAPO's dynamic sampling: draw more prompts until the step has --prompts-per-step informative groups)")
+    max_refill_rounds: int = arg(4, "--uniform-groups refill: at most this many generation rounds a step, the first included")
     prompts_per_step: int | None = arg(None, "prompts per step, over all processes under torchrun [GPU 1, CPU 4]")
     max_prompt_tokens: int = arg(512, "prompts longer than this are skipped")
     max_new_tokens: int | None = arg(None, "completion length limit [GPU 512, CPU 32]")
@@ -114,12 +116,12 @@ class Args:
 
 def train_loop(args, model, tokenizer, optimizer, scheduler, sampler, stream, state, rng, out_dir, metrics_path,
                world: distributed.World = distributed.World(), resumed: bool = False):
-    """Algorithm 1, one step per iteration: 1. draw prompts, 2-3. sample n rollouts per prompt and score
-    them, 4. keep m of each prompt's n (pods.py), 5. advantages from the kept rewards (grpo.py), 6. one
-    update on the kept rollouts (update.py), 7. hand the new adapter to the sampler; then a metrics row
-    and, when due, a checkpoint. Until --steps, the time budget, a Ctrl-C or --max-skipped-steps
-    non-finite updates in a row, then a final checkpoint. Under torchrun each rank runs this loop on its
-    share of the prompts; `distributed.any_rank` and `reduce_row` keep the ranks agreeing on when to
+    """Algorithm 1, one step per iteration: 1. draw prompts, 2-3. sample n rollouts per prompt and score them,
+    4. keep m of each prompt's n (pods.py), 5. advantages from the kept rewards (grpo.py) (1-5: sample_step, in
+    rounds under --uniform-groups refill), 6. one update on the informative groups (update.py), 7. hand the new
+    adapter to the sampler; then a metrics row and, when due, a checkpoint. Until --steps, the time budget, a Ctrl-C
+    or --max-skipped-steps non-finite updates in a row, then a final checkpoint. Under torchrun each rank runs this
+    loop on its share of the prompts; `distributed.any_rank` and `reduce_row` keep the ranks agreeing on when to
     stop and on what to report, and only rank 0 writes."""
     stop = {"requested": False}
     previous_handlers = {sig: signal.signal(sig, progress.ctrl_c_handler(stop)) for sig in progress.STOP_SIGNALS}
@@ -135,29 +137,26 @@ def train_loop(args, model, tokenizer, optimizer, scheduler, sampler, stream, st
                     log.info("time budget of %.1f min reached", args.time_budget)
                     break
                 start = time.perf_counter()
-                batch = distributed.shard(stream.next_batch(args.prompts_per_step), world)  # 1. prompts (this rank's share)
-                scored = generate_unless_stopped(sampler, batch, args.n, stop)  # 2-3. n rollouts per prompt, scored
-                if distributed.any_rank(scored is None, world):
+                step = sample_step(args, sampler, stream, rng, stop, world)  # 1-5, with refill when asked (--uniform-groups)
+                if step is None:
                     log.info("generation stopped by Ctrl-C; saving the last finished step %d", state["step"])
                     break
-                rollouts, scores, correct, formatted = scored
                 generation_s = time.perf_counter() - start
 
-                kept_idx = select(scores, args.rule, args.n, args.m, rng)  # 4. keep m of each prompt's n
-                kept = [rollouts[i] for i in kept_idx]
-                advantages = grpo.group_advantages(scores[kept_idx].view(-1, args.m)).flatten()  # 5. from the kept rewards
                 update_start = time.perf_counter()
-                sampler.release_memory()  # --vllm-sleep: vLLM's KV cache is freed for the update
-                update = policy_update(model, optimizer, scheduler, kept, advantages, update_settings(args),  # 6. the update
-                                       tokenizer.pad_token_id)
-                skipped_in_a_row = progress.count_skipped(update, skipped_in_a_row, state["step"] + 1)
-                sampler.update_weights(distributed.unwrap(model))  # 7. vLLM: the new adapter; transformers: the merged copy
-                sampler.wake_up()
+                if step.global_rows:  # 6. the update on the informative groups (--uniform-groups keep: on all kept)
+                    sampler.release_memory()  # --vllm-sleep: vLLM's KV cache is freed for the update
+                    update = policy_update(model, optimizer, scheduler, step.kept, step.advantages, update_settings(args),
+                                           tokenizer.pad_token_id, rows_in_mean=step.rows_in_mean)
+                    skipped_in_a_row = progress.count_skipped(update, skipped_in_a_row, state["step"] + 1)
+                    sampler.update_weights(distributed.unwrap(model))  # 7. vLLM: the new adapter; transformers: the merged copy
+                    sampler.wake_up()
+                else:  # no rank has a group to learn from: no backward, no optimizer or scheduler step, no non-finite update
+                    update = {"grad_norm": 0.0, "lr": optimizer.param_groups[0]["lr"], "skipped": 0}
                 update_s = time.perf_counter() - update_start
 
                 seconds = {"generation_s": generation_s, "update_s": update_s, "step_s": time.perf_counter() - start}
-                metrics = step_metrics(scores, correct, formatted, rollouts, kept_idx, args.n, args.m) | update
-                metrics = distributed.reduce_row(seconds | metrics, world, maxima=(*seconds, "sampler_gap_max"))  # torchrun: over all ranks
+                metrics = distributed.reduce_row(seconds | step.metrics | update, world, maxima=(*seconds, "sampler_gap_max"))  # all ranks
                 state["step"] += 1
                 state["elapsed_s"] += metrics.pop("step_s")  # the slowest rank's, so that all ranks agree on the time budget
                 state["data_position"] = stream.position
@@ -187,6 +186,53 @@ def train_loop(args, model, tokenizer, optimizer, scheduler, sampler, stream, st
 
 
 # ----------------------------------------------------------------------------- one step
+
+
+@dataclass
+class Step:
+    """Steps 1-5 on this rank: the update's rows, their advantages, policy_update's rows_in_mean, all ranks' rows, metrics."""
+    kept: list[sampling.Rollout]
+    advantages: torch.Tensor
+    rows_in_mean: float
+    global_rows: int
+    metrics: dict
+
+
+def sample_step(args: Args, sampler, stream: data.PromptStream, rng: np.random.Generator, stop: dict, world: distributed.World) -> Step | None:
+    """Steps 1-5 in generation rounds. A group whose kept rewards are all equal has advantages 0 (pods.informative_groups):
+    --uniform-groups keep trains on it (the paper), skip leaves it out, refill too and draws further rounds, a full batch
+    each, until each rank has its share of informative groups or --max-refill-rounds rounds have run (pods.dynamic_sampling,
+    DAPO); the ranks agree on the rounds, so their prompt streams stay together. None when a Ctrl-C stopped generation."""
+    share = args.prompts_per_step // world.size  # this rank's prompts a round
+    rounds, kept_idx, informative = [], [], np.zeros(0, dtype=bool)  # kept_idx: into every round's rollouts, in order
+    while True:
+        batch = distributed.shard(stream.next_batch(args.prompts_per_step), world)  # 1. prompts (this rank's share)
+        scored = generate_unless_stopped(sampler, batch, args.n, stop)  # 2-3. n rollouts per prompt, scored
+        if distributed.any_rank(scored is None, world):
+            return None
+        round_scores = scored[1]
+        kept = select(round_scores, args.rule, args.n, args.m, rng)  # 4. keep m of each prompt's n
+        informative = np.append(informative, pods.informative_groups(round_scores[kept].view(-1, args.m)))
+        kept_idx += [len(rounds) * share * args.n + i for i in kept]
+        rounds.append(scored)
+        if (args.uniform_groups != "refill" or len(rounds) == args.max_refill_rounds  # every rank takes the same branch
+                or distributed.any_rank(stop["requested"], world) or not distributed.any_rank(informative.sum() < share, world)):
+            break
+    rollouts = [r for scored in rounds for r in scored[0]]
+    scores, correct, formatted = (torch.cat([scored[k] for scored in rounds]) for k in (1, 2, 3))
+    groups = list(range(share)) if args.uniform_groups == "keep" else pods.dynamic_sampling(informative, share)
+    update_idx = [kept_idx[g * args.m + j] for g in groups for j in range(args.m)]
+    counts = distributed.gather((len(update_idx), args.m * int(informative[groups].sum())), world)  # every rank's
+    rows, informative_rows = sum(c[0] for c in counts), sum(c[1] for c in counts)
+    if update_idx:
+        advantages = grpo.group_advantages(scores[update_idx].view(-1, args.m)).flatten()  # 5. from the kept rewards
+        rows_in_mean = rows / world.size  # DDP averages the ranks' gradients: each rank's sum over rows / this = the mean over all
+    else:  # none here but some elsewhere: DDP's all-reduce needs this rank's backward too, on one kept row at weight 0
+        update_idx, advantages, rows_in_mean = kept_idx[:1], torch.zeros(1), math.inf
+    metrics = step_metrics(scores, correct, formatted, rollouts, kept_idx, args.n, args.m) | {  # all rounds; kept_*: all kept, uniform too
+        "uniform_share": float(np.mean(~informative[:share])), "generation_rounds": len(rounds),  # uniform: the first round's
+        "prompts_drawn": len(rounds) * args.prompts_per_step, "informative_rows": informative_rows}  # both over all ranks
+    return Step([rollouts[i] for i in update_idx], advantages, rows_in_mean, rows, metrics)
 
 
 def generate_and_score(sampler, batch: list[tuple[list[int], str]], n: int):
@@ -260,7 +306,7 @@ def train(args: Args, world: distributed.World = distributed.World()) -> Path:
     examples = data.load_examples(args.dataset, "train", seed=args.seed)
     model_name = pick_model(args.model, device)
     model, tokenizer = load_trainable_policy(model_name, device, args.lora_rank, args.lora_alpha, args.bf16_weights,
-                                             args.gradient_checkpointing)
+                                             args.gradient_checkpointing, args.bf16_autocast)
     if resuming:
         checkpoint.check_resumed_model(out_dir, model_name)
     sampler = make_sampler(args, model, tokenizer, model_name, device, world)

@@ -163,12 +163,14 @@ def micro_batches(kept: list[Rollout], size: int) -> list[list[int]]:
     return batches
 
 
-def policy_update(model, optimizer, scheduler, kept: list[Rollout], advantages: torch.Tensor, settings: UpdateSettings, pad_id: int) -> dict:
+def policy_update(model, optimizer, scheduler, kept: list[Rollout], advantages: torch.Tensor, settings: UpdateSettings, pad_id: int,
+                  rows_in_mean: float | None = None) -> dict:
     """One GRPO step on the kept rollouts only, accumulating gradients over micro-batches; `settings`
     are the update's hyperparameters (UpdateSettings), `advantages` one per kept rollout.
 
-    Each micro-batch loss is weighted by its share of the kept rollouts, so the accumulated
-    gradient is that of grpo_loss over all of them (the mean over completions of per-token means).
+    Each micro-batch loss is weighted by its rows / rows_in_mean (by default its share of the kept
+    rollouts), so the accumulated gradient is that of grpo_loss over all of them (the mean over
+    completions of per-token means).
     With share_prompt, micro-batches follow the prompt groups and each prompt in one is
     forwarded once (shared_prompt_logprobs).
     One update per batch: pi_old = pi_theta (detached), so no extra forward pass is needed.
@@ -178,12 +180,20 @@ def policy_update(model, optimizer, scheduler, kept: list[Rollout], advantages: 
     With beta > 0 the reference policy is the base model (the LoRA adapter switched off), one
     extra forward pass without gradients per micro-batch, again on the kept rollouts only.
     Under torchrun `model` is wrapped in DDP, which averages the gradients across ranks in the
-    last micro-batch's backward (distributed.py); every rank holds as many kept rollouts, so the
+    last micro-batch's backward (distributed.py); when every rank holds as many kept rollouts, the
     average is this same mean over all ranks' rollouts.
+    `rows_in_mean` is the number of rows the loss is a mean over, on this rank: None = len(kept).
+    Where ranks hold different numbers of rows, each passes the global count / world size, so that
+    DDP's average is the mean over all ranks' rows; math.inf weighs every row 0 (a rank with nothing
+    to learn from still runs a forward and backward, which DDP's all-reduce needs). The statistics
+    (loss, clip_frac, ratio_mean, kl) are weighted as the loss, so their mean over ranks
+    (distributed.reduce_row) is the mean over all rows, and a row of weight 0 adds nothing to them
+    (sampler_gap_* are the sampler's, not the update's: measured on every row given).
     """
     model.train()
     device = next(model.parameters()).device
     optimizer.zero_grad(set_to_none=True)
+    rows_in_mean = len(kept) if rows_in_mean is None else rows_in_mean
     totals = {"loss": 0.0, "clip_frac": 0.0, "ratio_mean": 0.0, "kl": 0.0}
     gap_sum, gap_max, gap_tokens = 0.0, 0.0, 0
     logprobs_of = shared_prompt_logprobs if settings.share_prompt else completion_logprobs
@@ -208,7 +218,7 @@ def policy_update(model, optimizer, scheduler, kept: list[Rollout], advantages: 
                     weights = grpo.truncated_importance_weights(logprobs, sampled, settings.tis_cap)
             loss, stats = grpo.grpo_loss(logprobs, logprobs.detach(), adv, mask, settings.clip_eps, settings.clip_eps_high,
                                          ref_logprobs=ref_logprobs, beta=settings.beta, token_weights=weights)
-            weight = len(batch) / len(kept)
+            weight = len(batch) / rows_in_mean
             (loss * weight).backward()
         totals["loss"] += loss.item() * weight
         for k in ("clip_frac", "ratio_mean", "kl"):

@@ -38,6 +38,7 @@ import sys
 from pathlib import Path
 
 TIMING_FIELDS = ("elapsed_s", "generation_s", "update_s")  # the only fields a replay may change
+ADDED_FIELDS = ("uniform_share", "generation_rounds", "prompts_drawn", "informative_rows")  # since --uniform-groups: older records lack them
 NOT_ARGS = ("out_dir", "resume", "steps", "time_budget", "save_every_steps", "save_every_minutes")  # set by the replay
 
 
@@ -80,8 +81,9 @@ def replay_argv(config: dict, fields: list[dataclasses.Field], out_dir: Path, la
 
 
 def differences(replayed: dict, recorded: dict) -> list[str]:
-    """The fields (but the timings) in which a replayed metrics row differs from the recorded one."""
-    keys = (set(replayed) | set(recorded)) - set(TIMING_FIELDS)
+    """The fields (but the timings, and fields a record made before they were logged lacks) in which a
+    replayed metrics row differs from the recorded one."""
+    keys = (set(replayed) | set(recorded)) - set(TIMING_FIELDS) - (set(ADDED_FIELDS) - set(recorded))
     return [f"{k}: {replayed.get(k)!r} here, {recorded.get(k)!r} recorded" for k in sorted(keys) if replayed.get(k) != recorded.get(k)]
 
 

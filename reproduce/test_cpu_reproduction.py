@@ -219,6 +219,16 @@ def test_replay_rebuilds_a_recorded_runs_checkpoints_bit_for_bit(tiny_model_dir,
 
 
 @pytest.mark.pure
+def test_replay_compares_the_fields_logged_since_uniform_groups_only_where_the_record_has_them():
+    """The records kept in reproduce/ predate uniform_share and its fellows: a replay that logs them still matches them."""
+    recorded = {"step": 1, "reward_mean": 0.5, "elapsed_s": 9.0}
+    replayed = {"step": 1, "reward_mean": 0.5, "elapsed_s": 7.0, "uniform_share": 0.25, "generation_rounds": 1, "prompts_drawn": 4,
+                "informative_rows": 12}
+    assert replay_run.differences(replayed, recorded) == []
+    assert replay_run.differences(replayed, recorded | {"uniform_share": 0.5}) == ["uniform_share: 0.25 here, 0.5 recorded"]
+
+
+@pytest.mark.pure
 def test_replay_puts_checkpoints_where_train_py_saved_them_in_the_kept_records():
     """replay_run.checkpoint_steps on the records in reproduce/cpu-plateau: train.py's one-a-minute rule gives
     exactly the checkpoints that were evaluated, but for the two runs stopped and resumed (the stop
