@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import itertools
+import json
 import os
 import shutil
 import subprocess
@@ -115,15 +117,7 @@ def test_vllm_ctrl_c_during_generation_finishes_the_step_saves_and_resumes(embed
     needs_vllms_cpu_build()
     import subprocess
 
-    from transformers import AutoTokenizer, LlamaConfig, LlamaForCausalLM
-
-    model_dir = tmp_path / "tiny-head64"  # vLLM's CPU attention needs a head size of 32, 64, 128, ...
-    tokenizer = AutoTokenizer.from_pretrained(embedded_dir)
-    config = LlamaConfig(vocab_size=len(tokenizer), hidden_size=128, intermediate_size=256, num_hidden_layers=2,
-                         num_attention_heads=2, num_key_value_heads=1, max_position_embeddings=1024,
-                         tie_word_embeddings=True, bos_token_id=1, eos_token_id=2, pad_token_id=2)
-    LlamaForCausalLM(config).save_pretrained(model_dir)
-    tokenizer.save_pretrained(model_dir)
+    model_dir = head64_model(embedded_dir, tmp_path)
     out = tmp_path / "run"
     argv = tiny_args(model_dir, out, "--backend", "vllm", "--steps", "3", "--max-prompt-tokens", "200")
     run = subprocess.run([sys.executable, "-c", VLLM_CTRL_C_DRIVER, *argv], cwd=Path(__file__).parent, capture_output=True, text=True, timeout=900)
@@ -138,6 +132,38 @@ def test_vllm_ctrl_c_during_generation_finishes_the_step_saves_and_resumes(embed
     # vLLM's log-probs against the trainer's (bfloat16 adapter copy, float32 trainer): logged every step
     assert all(0 < r["sampler_gap_mean"] <= r["sampler_gap_max"] < 0.05 for r in rows), [(r["sampler_gap_mean"], r["sampler_gap_max"]) for r in rows]
     assert engines_adapter_dirs_are_gone()
+
+
+def head64_model(embedded_dir: Path, tmp_path: Path) -> Path:
+    """A tiny random Llama with the embedded model's tokenizer and a head size vLLM's CPU attention takes (32, 64, 128, ...)."""
+    from transformers import AutoTokenizer, LlamaConfig, LlamaForCausalLM
+
+    model_dir = tmp_path / "tiny-head64"
+    tokenizer = AutoTokenizer.from_pretrained(embedded_dir)
+    config = LlamaConfig(vocab_size=len(tokenizer), hidden_size=128, intermediate_size=256, num_hidden_layers=2,
+                         num_attention_heads=2, num_key_value_heads=1, max_position_embeddings=1024,
+                         tie_word_embeddings=True, bos_token_id=1, eos_token_id=2, pad_token_id=2)
+    LlamaForCausalLM(config).save_pretrained(model_dir)
+    tokenizer.save_pretrained(model_dir)
+    return model_dir
+
+
+@pytest.mark.vllm
+@pytest.mark.slow
+def test_vllm_refill_draws_a_second_round_for_the_uniform_group_and_trains_on_the_informative_ones(embedded_dir, tmp_path, monkeypatch):
+    """--uniform-groups refill with the vLLM backend (in this process): each step's first round of 2 prompts has one
+    uniform group, so a second round is drawn and its informative group fills the step; 2 steps draw 8 prompts."""
+    needs_vllms_cpu_build()
+    cycle = itertools.cycle([1.0, 1.0, 1.0, 1.0, 0.0, 1.0, 0.0, 2.0])  # n=4 rewards: a uniform group, then an informative one
+    monkeypatch.setattr(train.rewards, "reward", lambda completion, answer: next(cycle))
+    out = tmp_path / "run"
+    argv = tiny_args(head64_model(embedded_dir, tmp_path), out, "--backend", "vllm", "--steps", "2", "--max-prompt-tokens", "200",
+                     "--uniform-groups", "refill")
+    assert train.main(argv) == 0
+    rows = read_metrics(out)
+    assert [(r["generation_rounds"], r["prompts_drawn"], r["uniform_share"], r["informative_rows"]) for r in rows] == [(2, 4, 0.5, 4)] * 2
+    assert json.loads((checkpoint.find(out)[-1] / "trainer_state.json").read_text())["data_position"] == 8
+    assert all(r["skipped"] == 0 and r["grad_norm"] > 0 for r in rows)
 
 
 class FakeCompletion:
