@@ -9,6 +9,7 @@ import logging
 import signal
 from pathlib import Path
 
+import numpy as np
 import torch
 
 import config
@@ -75,6 +76,23 @@ def show_progress(bar, args, state: dict, row: dict) -> None:
         bar.set_postfix(step=state["step"], reward=f"{row['reward_mean']:.3f}", acc=f"{row['accuracy']:.3f}")
     except Exception as err:  # noqa: BLE001 - a display failure must not cost the checkpoint
         log.warning("progress bar failed (%s: %s); training goes on", type(err).__name__, err)
+
+
+def step_metrics(scores, correct, formatted, rollouts, kept_idx, n, m) -> dict:
+    """A step's rewards, accuracy and completions: over all its rollouts (n per prompt), and `kept_*` over
+    the kept ones (`kept_idx`, m per prompt)."""
+    kept_scores = scores[kept_idx].view(-1, m)
+    return {
+        "reward_mean": scores.mean().item(),
+        "reward_std": scores.view(-1, n).std(dim=1).mean().item(),  # mean within-group std, all n
+        "kept_reward_mean": kept_scores.mean().item(),
+        "kept_reward_std": kept_scores.std(dim=1).mean().item(),  # what max_variance maximizes
+        "accuracy": correct.mean().item(),
+        "kept_accuracy": correct[kept_idx].mean().item(),
+        "format_rate": formatted.mean().item(),
+        "completion_len": float(np.mean([len(r.completion_ids) for r in rollouts])),
+        "truncated_frac": float(np.mean([r.truncated for r in rollouts])),
+    }
 
 
 def write_row(metrics_file, row: dict) -> None:

@@ -9,7 +9,7 @@ Algorithm 1 of the paper, one iteration per step (`train_loop`, numbered as here
     6. one clipped policy-gradient step on the kept rollouts, in micro-batches (update.py, grpo.py: grpo_loss)
     7. hand the new LoRA adapter to the sampler
 Around it: the flags and their profiles (config.py), the model and LoRA (model.py), checkpoints and
---resume (checkpoint.py), the progress bar and Ctrl-C (progress.py), torchrun (distributed.py).
+--resume (checkpoint.py), the metrics, progress bar and Ctrl-C (progress.py), torchrun (distributed.py).
 
 Usage:
     python train.py --n 32 --m 16                              # GPU: Qwen2.5-3B-Instruct, GSM8K, vLLM;
@@ -229,7 +229,7 @@ def sample_step(args: Args, sampler, stream: data.PromptStream, rng: np.random.G
         rows_in_mean = rows / world.size  # DDP averages the ranks' gradients: each rank's sum over rows / this = the mean over all
     else:  # none here but some elsewhere: DDP's all-reduce needs this rank's backward too, on one kept row at weight 0
         update_idx, advantages, rows_in_mean = kept_idx[:1], torch.zeros(1), math.inf
-    metrics = step_metrics(scores, correct, formatted, rollouts, kept_idx, args.n, args.m) | {  # all rounds; kept_*: all kept, uniform too
+    metrics = progress.step_metrics(scores, correct, formatted, rollouts, kept_idx, args.n, args.m) | {  # all rounds; kept_*: all kept, uniform too
         "uniform_share": float(np.mean(~informative[:share])), "generation_rounds": len(rounds),  # uniform: the first round's
         "prompts_drawn": len(rounds) * args.prompts_per_step, "informative_rows": informative_rows}  # both over all ranks
     return Step([rollouts[i] for i in update_idx], advantages, rows_in_mean, rows, metrics)
@@ -256,21 +256,6 @@ def generate_unless_stopped(sampler, batch: list[tuple[list[int], str]], n: int,
         if not stop["requested"]:
             raise
         return None
-
-
-def step_metrics(scores, correct, formatted, rollouts, kept_idx, n, m) -> dict:
-    kept_scores = scores[kept_idx].view(-1, m)
-    return {
-        "reward_mean": scores.mean().item(),
-        "reward_std": scores.view(-1, n).std(dim=1).mean().item(),  # mean within-group std, all n
-        "kept_reward_mean": kept_scores.mean().item(),
-        "kept_reward_std": kept_scores.std(dim=1).mean().item(),  # what max_variance maximizes
-        "accuracy": correct.mean().item(),
-        "kept_accuracy": correct[kept_idx].mean().item(),
-        "format_rate": formatted.mean().item(),
-        "completion_len": float(np.mean([len(r.completion_ids) for r in rollouts])),
-        "truncated_frac": float(np.mean([r.truncated for r in rollouts])),
-    }
 
 
 def select(scores: torch.Tensor, rule: str, n: int, m: int, rng: np.random.Generator) -> list[int]:
