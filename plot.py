@@ -5,7 +5,7 @@ sooner (Figure 1 / Section 5). This file reads runs that eval.py has evaluated (
 and measures that with the authors' rule (their scripts/plot.py): the target is 0.99 x the baseline's
 peak mean accuracy, and the speed-up is the baseline's first time at the target over the other
 run's (--target-frac 1 gives the time to the baseline's peak itself). Runs of one setting (rule, n,
-m) that differ only in their seed are one curve, their mean with its standard error, and every run
+m, --uniform-groups) that differ only in their seed are one curve, their mean with its standard error, and every run
 is read up to the shortest run's end. eval.py's command line runs it:
 
     python eval.py --plot runs/grpo-s0 runs/grpo-s1 runs/pods-s0 runs/pods-s1 --out fig.png
@@ -61,10 +61,11 @@ def speedups(curves: dict[str, tuple[list[float], list[float]]], baseline: str,
 
 
 def label_of(config: dict) -> str:
-    """A run's legend label from its config.json: rule, n and m."""
+    """A run's legend label from its config.json: rule, n and m, and --uniform-groups where it is not keep."""
+    groups = "" if config.get("uniform_groups", "keep") == "keep" else f" {config['uniform_groups']}"
     if config["rule"] == "none":
-        return f"GRPO n={config['n']}"
-    return f"PODS {config['rule']} n={config['n']} m={config['m']}"
+        return f"GRPO n={config['n']}{groups}"
+    return f"PODS {config['rule']} n={config['n']} m={config['m']}{groups}"
 
 
 # What may differ between seeds of one setting: the seed, where and on what it ran, and how long it trained and

@@ -194,7 +194,7 @@ def step_costs(run_dirs: list[Path]) -> list[str]:
 
     `steps 2-6 s` (early_step_seconds) reads the machine's speed: a run whose steps 2-6
     took longer than the other runs doing the same work (`x median`, over the runs given that generate
-    n and update m rollouts a step, whatever their rule: a rules ablation's single run is read against
+    n and update m rollouts a step with the same --uniform-groups, whatever their rule: a rules ablation's single run is read against
     max-variance's seeds) ran on a slower or busier machine; above SLOW_MACHINE it is marked, as its
     minutes are not those of the other runs (a wall-clock comparison needs the same idle machine)."""
     costs = []
@@ -202,7 +202,7 @@ def step_costs(run_dirs: list[Path]) -> list[str]:
         rows = read_metrics(run)
         if rows:
             config = json.loads((run / "config.json").read_text()) if (run / "config.json").exists() else {}
-            work = (config["n"], config["m"]) if config else run.name  # train.py records m = n for GRPO
+            work = (config["n"], config["m"], config.get("uniform_groups", "keep")) if config else run.name  # m = n for GRPO
             generation, update = (float(np.mean([r[k] for r in rows])) for k in ("generation_s", "update_s"))
             early = early_step_seconds(rows)
             costs.append((run.name, work, len(rows), generation, update, rows[-1]["elapsed_s"] / len(rows), early))

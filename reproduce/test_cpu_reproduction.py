@@ -30,7 +30,7 @@ def project_copy(root: Path) -> Path:
     (root / "reproduce" / "cpu-plateau").mkdir(parents=True)
     for py in PROJECT.glob("*.py"):
         (root / py.name).write_text(py.read_text())
-    for program in (*HERE.glob("*.py"), HERE / "cpu_reproduction.sh"):
+    for program in (*HERE.glob("*.py"), *HERE.glob("*.sh")):
         (root / "reproduce" / program.name).write_text(program.read_text())
     return root
 

@@ -5,15 +5,16 @@
 #   pods-keep     PODS max-variance n=8 m=4, uniform groups kept (the paper)
 #   pods-refill   the same, uniform groups left out and the step refilled (DAPO's dynamic sampling)
 #   grpo-refill   GRPO n=8, refilled (DAPO's dynamic sampling alone)
-#   grpo-keep     GRPO n=8 (ARMS="... grpo-keep": only if the 4-hour cap allows)
+#   grpo-keep     GRPO n=8 (not run: ARMS="pods-keep pods-refill grpo-refill grpo-keep" adds it, ~55 min more)
 # 4 paired seeds, one run at a time on an otherwise idle machine, the arms' order rotated seed by seed, so a slow
 # spell of the machine does not fall on one arm. Each run's config and metrics are copied to reproduce/uniform-groups/RUN/
 # as soon as it has trained; after the last run, every checkpoint is evaluated on the first 128 held-out problems
 # (one sample each at the run's temperature; evaluation is not timed, so it may share the machine), and
-# reproduce/report.py draws the comparison against pods-keep.
+# reproduce/report.py draws every arm against pods-keep (report.txt, report.png); steps.txt says what each arm's
+# steps did (uniform share, generation rounds, prompts drawn, informative rows), from the kept metrics.
 #
 #   bash reproduce/uniform_groups.sh                     # ~2 h 10 min of training, then ~15 min of evaluation
-#   STAGES=report bash reproduce/uniform_groups.sh      # only redraw reproduce/uniform-groups/*.txt and *.png
+#   STAGES=report bash reproduce/uniform_groups.sh      # only redraw reproduce/uniform-groups/report.* and steps.txt
 #
 # Resumable: Ctrl-C, then the same command: a trained run is not redone, an interrupted one continues from its last
 # checkpoint (one that died before its first starts over), an evaluated checkpoint is skipped.
@@ -21,7 +22,7 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 SEEDS=${SEEDS-"0 1 2 3"}; BUDGET=${BUDGET:-10}; OUT=${OUT:-runs/uniform-groups}; KEEP=reproduce/uniform-groups
-ARMS=${ARMS-"pods-keep pods-refill grpo-refill"}
+ARMS=${ARMS:-"pods-keep pods-refill grpo-refill"}
 STAGES=${STAGES:-"train eval report"}
 TASK=arith:2
 TRAIN="--dataset $TASK --prompts-per-step 4 --max-new-tokens 32 --lr 3e-4 --warmup-ratio 0 --bf16-autocast --merged-sampler"
@@ -52,16 +53,21 @@ rows = [json.loads(line) for line in open(sys.argv[1]) if line.strip()]
 sys.exit(0 if rows and rows[-1]['elapsed_s'] >= float(sys.argv[2]) * 60 else 1)" "$1/metrics.jsonl" "$BUDGET"
 }
 
+keep_record() {  # run $1's config and metrics into reproduce/ (runs/ is not in git)
+  mkdir -p "$KEEP/$1"; cp "$OUT/$1"/{config.json,metrics.jsonl} "$KEEP/$1/"
+}
+
 train() {  # seed $1, arm $2
-  local name=$2-s$1 dir=$OUT/$2-s$1 resume=()
-  if finished "$dir" || { [ ! -d "$dir" ] && finished "$KEEP/$name"; }; then return; fi
-  if ls "$dir" 2>/dev/null | grep -q checkpoint-; then resume=(--resume); else rm -rf "$dir"; fi
-  mkdir -p "$OUT" "$KEEP/$name"
+  local name=$2-s$1 dir=$OUT/$2-s$1 resume=""
+  if finished "$dir"; then keep_record "$name"; return; fi  # (again: a stop just after its training may have missed it)
+  if [ ! -d "$dir" ] && finished "$KEEP/$name"; then return; fi  # trained on another machine
+  if compgen -G "$dir/checkpoint-*" > /dev/null; then resume=--resume; else rm -rf "$dir"; fi
+  mkdir -p "$OUT"
   echo "$(date -u +%H:%M:%S) training $name (log: $dir.log)"
   # shellcheck disable=SC2046
-  python train.py $TRAIN --seed "$1" $(flags "$2") "${resume[@]}" --out-dir "$dir" >> "$dir.log" 2>&1 \
+  python train.py $TRAIN --seed "$1" $(flags "$2") $resume --out-dir "$dir" >> "$dir.log" 2>&1 \
     || { echo "train.py failed for $name: see the end of $dir.log"; exit 1; }
-  cp "$dir"/{config.json,metrics.jsonl} "$KEEP/$name/"  # at once: runs/ is not in git
+  keep_record "$name"  # at once, before the next run
 }
 
 if [[ " $STAGES " == *" train "* ]]; then
@@ -75,21 +81,45 @@ if [[ " $STAGES " == *" eval "* ]]; then
   for seed in $SEEDS; do for arm in $ARMS; do
     name=$arm-s$seed
     if [ -f "$KEEP/$name/eval-arith-2.json" ] && [ ! -d "$OUT/$name" ]; then continue; fi  # evaluated on another machine
-    if ! finished "$OUT/$name"; then echo "not evaluated: $name has not finished training"; continue; fi
+    if ! finished "$OUT/$name"; then
+      if finished "$KEEP/$name"; then echo "not evaluated: $name trained on another machine, its checkpoints are not here"
+      else echo "not evaluated: $name has not finished training"; fi
+      continue
+    fi
     python eval.py "$OUT/$name" $EVAL
-    cp "$OUT/$name/eval-arith-2.json" "$KEEP/$name/"
+    keep_record "$name"; cp "$OUT/$name/eval-arith-2.json" "$KEEP/$name/"
   done; done
 fi
 
-if [[ " $STAGES " == *" report "* ]]; then
-  shopt -s nullglob
-  evaluated() { local dir; for dir in "$@"; do [ ! -f "$dir/eval-arith-2.json" ] || echo "$dir"; done; }
-  for arm in $ARMS; do
-    [ "$arm" != pods-keep ] || continue
-    python reproduce/report.py $(evaluated "$KEEP"/pods-keep-s* "$KEEP/$arm"-s*) --dataset $TASK \
-      --baseline "PODS max_variance n=8 m=4" --out "$KEEP/$arm.png" > "$KEEP/$arm.txt" \
-      || { rm -f "$KEEP/$arm.txt"; echo "not drawn yet: $KEEP/$arm (see the line above)"; }
+if [[ " $STAGES " == *" report "* ]]; then  # every arm against pods-keep, the seeds where all have been evaluated
+  runs=()
+  for seed in $SEEDS; do
+    whole=1; for arm in $ARMS; do [ -f "$KEEP/$arm-s$seed/eval-arith-2.json" ] || whole=0; done
+    if [ $whole = 1 ]; then for arm in $ARMS; do runs+=("$KEEP/$arm-s$seed"); done; fi
   done
+  python reproduce/report.py ${runs[@]+"${runs[@]}"} --dataset $TASK --baseline "PODS max_variance n=8 m=4" \
+    --out "$KEEP/report.png" > "$KEEP/report.txt.new" && mv "$KEEP/report.txt.new" "$KEEP/report.txt" && cat "$KEEP/report.txt" \
+    || { rm -f "$KEEP/report.txt.new"; echo "not drawn yet: $KEEP/report (see the line above)"; }
+  # what each arm's steps did, from the kept metrics alone (every trained run, evaluated or not)
+  python - "$KEEP" $ARMS <<'EOF' > "$KEEP/steps.txt.new" && mv "$KEEP/steps.txt.new" "$KEEP/steps.txt" && cat "$KEEP/steps.txt"
+import json, sys
+from pathlib import Path
+import numpy as np
+keep, arms = Path(sys.argv[1]), sys.argv[2:]
+print("each arm's steps, mean over its trained seeds: steps in the budget; the share of uniform groups in a step's first "
+      "round; generation rounds and prompts drawn a step; informative rows a step (keep updates on all its kept rows); "
+      "steps with no update (no informative group); seconds a step")
+print(f"{'arm':<14}{'seeds':>6}{'steps':>8}{'uniform':>9}{'rounds':>8}{'prompts':>9}{'informative':>13}{'no update':>11}{'step s':>8}")
+for arm in arms:
+    runs = [[json.loads(line) for line in open(p)] for p in sorted(keep.glob(f"{arm}-s*/metrics.jsonl"))]
+    if not runs:
+        continue
+    mean = lambda key: np.mean([np.mean([r[key] for r in rows]) for rows in runs])  # noqa: E731
+    idle = np.mean([sum(r["informative_rows"] == 0 for r in rows) for rows in runs]) if arm.endswith("refill") else 0.0
+    step_s = np.mean([rows[-1]["elapsed_s"] / len(rows) for rows in runs])
+    print(f"{arm:<14}{len(runs):>6}{np.mean([len(rows) for rows in runs]):>8.1f}{mean('uniform_share'):>9.2f}{mean('generation_rounds'):>8.2f}"
+          f"{mean('prompts_drawn'):>9.2f}{mean('informative_rows'):>13.1f}{idle:>11.1f}{step_s:>8.2f}")
+EOF
 fi
 exit
 }
