@@ -398,11 +398,16 @@ trainer.train()
 after = {{k: v.detach() for k, v in trainer.model.named_parameters() if v.requires_grad}}
 rank = trainer.accelerator.process_index
 os.makedirs(out, exist_ok=True)  # TRL creates its output_dir on the main process only
-json.dump({{"world_size": trainer.accelerator.num_processes, "records": records,
-           "moved": any(not torch.equal(before[k], after[k]) for k in after),
-           "weights": {{k: v.double().sum().item() for k, v in after.items()}}}}, open(f"{{out}}/rank{{rank}}.json", "w"))
+with open(f"{{out}}/rank{{rank}}.json", "w") as f:
+    json.dump({{"world_size": trainer.accelerator.num_processes, "records": records,
+               "moved": any(not torch.equal(before[k], after[k]) for k in after),
+               "weights": {{k: v.double().sum().item() for k, v in after.items()}}}}, f)
 if torch.distributed.is_initialized():  # torn down before exit: left to exit-time destructors, gloo once aborted (SIGABRT)
     torch.distributed.destroy_process_group()
+# Even so, rank 0 aborted once more at exit ("terminate called without an active exception", 27 Nov 2026), its work
+# done: a C++ thread left joinable for exit-time destructors. Its results are written and closed above, so skip them.
+sys.stdout.flush(); sys.stderr.flush()
+os._exit(0)
 """
 
 
