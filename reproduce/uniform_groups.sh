@@ -5,7 +5,7 @@
 #   pods-keep     PODS max-variance n=8 m=4, uniform groups kept (the paper)
 #   pods-refill   the same, uniform groups left out and the step refilled (DAPO's dynamic sampling)
 #   grpo-refill   GRPO n=8, refilled (DAPO's dynamic sampling alone)
-#   grpo-keep     GRPO n=8 (not run: ARMS="pods-keep pods-refill grpo-refill grpo-keep" adds it, ~55 min more)
+#   grpo-keep     GRPO n=8 (not run: ARMS="pods-keep pods-refill grpo-refill grpo-keep" adds it, ~45 min more with evaluation)
 # 4 paired seeds, one run at a time on an otherwise idle machine, the arms' order rotated seed by seed, so a slow
 # spell of the machine does not fall on one arm. Each run's config and metrics are copied to reproduce/uniform-groups/RUN/
 # as soon as it has trained; after the last run, every checkpoint is evaluated on the first 128 held-out problems
