@@ -92,7 +92,8 @@ def warm_up(sampler, model, optimizer, scheduler, stream, args: train.Args, pad_
     step's size, the first kernels), which otherwise fall on whichever column runs first (on an H100, per-row
     generation, timed first, read 2x shared's, though the two differ only in the prompt's prefill)."""
     sampler.share_prompt = False
-    rollouts, scores, _, _ = train.generate_and_score(sampler, stream.next_batch(args.prompts_per_step), args.n)
+    scored = sampling.generate_and_score(sampler, stream.next_batch(args.prompts_per_step), args.n)
+    rollouts, scores = scored.rollouts, scored.rewards
     advantages = grpo.group_advantages(scores.view(-1, args.n)).flatten()
     for share in (False, True):
         policy_update(model, optimizer, scheduler, rollouts, advantages, train.update_settings(dataclasses.replace(args, share_prompt=share)), pad_id)
@@ -150,7 +151,8 @@ def benchmark(args: train.Args, repeats: int = 2) -> list[dict]:
             sampler.share_prompt = share
             torch.manual_seed(args.seed + repeat)
             start = time.perf_counter()
-            rollouts, scores, _, _ = train.generate_and_score(sampler, batch, args.n)
+            scored = sampling.generate_and_score(sampler, batch, args.n)
+            rollouts, scores = scored.rollouts, scored.rewards
             gen_s[share].append(time.perf_counter() - start)
         tokens.append(sum(len(r.completion_ids) for r in rollouts))
         for share in shares:

@@ -11,7 +11,7 @@ the adapters stay identical. Every rank keeps the same number of rollouts, so th
 ranks' mean losses is the mean over all of them: the gradient of one process holding every prompt.
 With --uniform-groups skip or refill the ranks may update on different numbers of rows; each then
 weights its loss by its rows / (all rows / ranks) (policy_update's rows_in_mean), and a rank with
-none joins the all-reduce with one row of weight 0 (train.py: sample_step).
+none joins the all-reduce with one row of weight 0 (train.py: informative_step).
 
 The rest is agreement: the ranks stop after the same step (time budget, Ctrl-C), report one row of
 metrics (means over all rollouts, seconds of the slowest rank), and rank 0 alone writes files.

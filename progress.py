@@ -78,17 +78,19 @@ def show_progress(bar, args, state: dict, row: dict) -> None:
         log.warning("progress bar failed (%s: %s); training goes on", type(err).__name__, err)
 
 
-def step_metrics(scores, correct, formatted, rollouts, kept_idx, n, m) -> dict:
-    """A step's rewards, accuracy and completions: over all its rollouts (n per prompt), and `kept_*` over
-    the kept ones (`kept_idx`, m per prompt)."""
-    kept_scores = scores[kept_idx].view(-1, m)
+def step_metrics(rounds, n, m) -> dict:
+    """A step's rewards, accuracy and completions over the generation rounds given (train.Round: .scored, .kept): over all their
+    rollouts (n per prompt), and `kept_*` over the kept ones (m per prompt)."""
+    rewards, correct, formatted = (torch.cat([getattr(r.scored, k) for r in rounds]) for k in ("rewards", "correct", "formatted"))
+    kept_rewards = torch.cat([r.scored.rewards[r.kept] for r in rounds]).view(-1, m)
+    rollouts = [rollout for r in rounds for rollout in r.scored.rollouts]
     return {
-        "reward_mean": scores.mean().item(),
-        "reward_std": scores.view(-1, n).std(dim=1).mean().item(),  # mean within-group std, all n
-        "kept_reward_mean": kept_scores.mean().item(),
-        "kept_reward_std": kept_scores.std(dim=1).mean().item(),  # what max_variance maximizes
+        "reward_mean": rewards.mean().item(),
+        "reward_std": rewards.view(-1, n).std(dim=1).mean().item(),  # mean within-group std, all n
+        "kept_reward_mean": kept_rewards.mean().item(),
+        "kept_reward_std": kept_rewards.std(dim=1).mean().item(),  # what max_variance maximizes
         "accuracy": correct.mean().item(),
-        "kept_accuracy": correct[kept_idx].mean().item(),
+        "kept_accuracy": torch.cat([r.scored.correct[r.kept] for r in rounds]).mean().item(),
         "format_rate": formatted.mean().item(),
         "completion_len": float(np.mean([len(r.completion_ids) for r in rollouts])),
         "truncated_frac": float(np.mean([r.truncated for r in rollouts])),

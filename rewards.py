@@ -42,33 +42,46 @@ _STRUCTURE = re.compile(r"^\s*<think>.*?</think>\s*<answer>.*?</answer>\s*$", re
 # A number: optional minus (not after a word character, so "5-3" reads as 5 and 3), digits
 # with optional thousands commas ("1,000" but not "1,2"), optional decimals, optional "/denominator"; or ".5".
 _NUMBER = re.compile(r"(?:(?<![\w)])-\s?)?(?:(?:\d{1,3}(?:,\d{3})+(?!\d)|\d+)(?:\.\d+)?(?:\s?/\s?\d+)?|\.\d+)")
+# What precedes the minus of a subtraction written with spaces, "10 - 3": a number or ")" and then spaces.
+_OPERAND_BEFORE = re.compile(r"[\d)][ \t]+$")
 # A markdown bullet: "-" starting a line (after optional indentation) and followed by a space or tab.
 _BULLET = re.compile(r"^([ \t]*)-(?=[ \t])", re.MULTILINE)
 # LaTeX fractions: \frac{3}{4}, \dfrac{-1}{2}, \tfrac34 (one-digit arguments need no braces).
 _FRAC = re.compile(r"\\[dt]?frac\s*(?:\{\s*(-?\d+)\s*\}|(\d))\s*(?:\{\s*(\d+)\s*\}|(\d))")
 
 
-def _numbers(text: str) -> list[str]:
-    text = _BULLET.sub(r"\1", text)  # "\n- 72" is a list item, not -72
+def _numbers(text: str, list_markers: bool = True) -> list[str]:
+    """The numbers in `text`, in order, as written ("- 3", "1,000", "3/4"). With `list_markers` (a completion's
+    text), a "- " starting a line is a markdown bullet, not a minus; an answer already extracted has none."""
+    if list_markers:
+        text = _BULLET.sub(r"\1", text)  # "\n- 72" is a list item, not -72
     text = _FRAC.sub(lambda f: f" {f[1] or f[2]}/{f[3] or f[4]}", text)  # the space keeps 2\frac{1}{2} from reading as 21/2
-    text = text.replace("{,}", ",").replace("\\,", ",")  # LaTeX thousands separators: 1{,}000, 1\,000
-    return _NUMBER.findall(text.replace("$", ""))
+    text = text.replace("{,}", ",").replace("\\,", ",").replace("$", "")  # LaTeX thousands separators: 1{,}000, 1\,000
+    found = []
+    for number in _NUMBER.finditer(text):
+        written = number[0]
+        if written.startswith("-") and _OPERAND_BEFORE.search(text, max(0, number.start() - 16), number.start()):
+            written = written[1:].lstrip()  # "10 - 3": a subtraction, whose last number is 3
+        found.append(written)
+    return found
 
 
-def normalize_number(s: str | None) -> str | None:
+def normalize_number(s: str | None, list_markers: bool = True) -> str | None:
     """The last number in `s` in canonical form, or None if there is none.
 
     Tolerates "$", thousands commas, "%", a trailing ".", units and words around the number, and
     LaTeX ("\\boxed{12}", "\\frac{3}{4}", "1{,}000").
-    A "- " that starts a line (or the text), after optional indentation, is a markdown bullet:
-    "\\n- 72" gives "72". Any other minus is a sign: "-72", "\\n-72", "x = -3" and "answer: - 3"
-    give negatives.
+    With `list_markers` (`s` is a completion's text), a "- " that starts a line (or the text), after
+    optional indentation, is a markdown bullet: "\\n- 72" gives "72". Without (`s` is an answer already
+    extracted, such as an <answer> tag's content), "- 72" gives "-72". A minus after a number and a space
+    is a subtraction: "10 - 3" gives "3", as the authors' grader reads it (its last number never has a sign).
+    Any other minus is a sign: "-72", "\\n-72", "x = -3", "answer: - 3" and "\\boxed{- 5}" give negatives.
     "12.0" and "12" both give "12", "-3.50" gives "-3.5", "3/4" and "0.75" both give "0.75",
     "1/3" gives "1/3" (a fraction without a finite decimal stays a fraction).
     """
     if not s:
         return None
-    found = _numbers(s)
+    found = _numbers(s, list_markers)
     if not found:
         return None
     token = re.sub(r"[\s,]", "", found[-1])
@@ -112,7 +125,9 @@ def parse_gsm8k_solution(text: str) -> str:
 
 
 def extract_answer(completion: str) -> str | None:
-    """The model's final answer: the content of the last <answer>...</answer>, else the last number.
+    """The model's final answer: the content of the last <answer>...</answer>, else the last number
+    (as written: "\\boxed{- 5}" gives "- 5"). Read it with normalize_number(answer, list_markers=False):
+    a line of the completion may start with a bullet, an answer extracted from it does not.
 
     None when there is neither a closed answer tag nor any number in the completion.
     """
@@ -128,9 +143,11 @@ def correctness_reward(completion: str, answer: str) -> float:
     `answer` as a number; 0.0 otherwise.
 
     Either one suffices, as in the authors' grader: "<answer>seventy-two</answer> so 72" is correct.
+    The bullet rule belongs to the completion's lines only: "<answer>- 3</answer>" is -3, while
+    "<answer>\\n- 3\\n</answer>" reads -3 as its answer and 3 as the completion's last number (a bullet).
     """
     expected = normalize_number(answer)
-    found = (normalize_number(extract_answer(completion)), normalize_number(completion))
+    found = (normalize_number(extract_answer(completion), list_markers=False), normalize_number(completion))
     return CORRECT_REWARD if expected is not None and expected in found else 0.0
 
 

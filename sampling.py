@@ -8,7 +8,8 @@ expensive update (pods.py).
 rows, decode one token per row per step), on a copy of the policy with the LoRA merged in (bfloat16,
 or float32 on a CPU without bfloat16 arithmetic), refreshed after every update. It works anywhere,
 including a CPU with no GPU. vllm_sampler.VLLMSampler is the GPU backend with the same interface,
-`sampler.generate(prompts, n) -> list[list[Rollout]]`.
+`sampler.generate(prompts, n) -> list[list[Rollout]]`. `generate_and_score` runs either on a batch and scores
+every rollout with the reward (rewards.py): Algorithm 1's steps 2-3.
 
 Run `python sampling.py` to sample a few answers from the embedded model.
 """
@@ -22,7 +23,7 @@ from dataclasses import dataclass
 
 import torch
 
-from rewards import chat_messages
+import rewards
 
 log = logging.getLogger("pods")
 
@@ -39,9 +40,42 @@ class Rollout:
     logprobs: list[float] | None = None  # sampler's log-probs of completion_ids, when asked for
 
 
+@dataclass
+class Scored:
+    """A batch's rollouts, n per prompt, group after group, and per rollout its reward, correctness and format."""
+
+    rollouts: list[Rollout]
+    rewards: torch.Tensor
+    correct: torch.Tensor
+    formatted: torch.Tensor
+
+
+def generate_and_score(sampler, batch: list[tuple[list[int], str]], n: int) -> Scored:
+    """Algorithm 1's steps 2-3 for a batch of (prompt ids, reference answer): n rollouts per prompt from any sampler
+    (HFSampler below, vllm_sampler.VLLMSampler), each scored by the rule-based reward (rewards.py)."""
+    groups = sampler.generate([prompt for prompt, _ in batch], n)
+    rollouts = [r for group in groups for r in group]
+    answers = [answer for _, answer in batch for _ in range(n)]
+    return Scored(rollouts, torch.tensor([rewards.reward(r.text, a) for r, a in zip(rollouts, answers)]),
+                  torch.tensor([rewards.correctness_reward(r.text, a) for r, a in zip(rollouts, answers)]),
+                  torch.tensor([float(rewards.is_well_formatted(r.text)) for r in rollouts]))
+
+
+def generate_unless_stopped(sampler, batch: list[tuple[list[int], str]], n: int, stop: dict) -> Scored | None:
+    """generate_and_score, or None when a Ctrl-C (`stop["requested"]`) stopped the generation itself (vLLM's engine
+    may get the signal too and abort its requests): the policy is then still that of the last finished step, which
+    is what gets saved."""
+    try:
+        return generate_and_score(sampler, batch, n)
+    except Exception:
+        if not stop["requested"]:
+            raise
+        return None
+
+
 def build_prompt(tokenizer, question: str) -> list[int]:
     """Token ids of the chat prompt (rewards.chat_messages: the system prompt asking for the format the reward checks)."""
-    ids = tokenizer.apply_chat_template(chat_messages(question), add_generation_prompt=True, tokenize=True)
+    ids = tokenizer.apply_chat_template(rewards.chat_messages(question), add_generation_prompt=True, tokenize=True)
     if not isinstance(ids, list):  # some versions return a BatchEncoding
         ids = ids["input_ids"]
     return list(ids)

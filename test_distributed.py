@@ -16,7 +16,9 @@ import pytest
 import torch
 
 import checkpoint
+import data
 import distributed
+import model as models
 import sampling
 import train
 import update
@@ -239,8 +241,9 @@ sys.exit(train.main())
 
 
 def test_torchrun_refill_with_a_rank_that_never_has_an_informative_group_agrees_on_the_rounds_and_finishes(tiny_model_dir, tmp_path):
-    """Rank 1 is always short, so both ranks draw a second round every step (2 rounds at most), their streams together;
-    rank 0's first 2 groups are the update's, rank 1 joins DDP's all-reduce at weight 0; the metrics are global."""
+    """Rank 1 never has an informative group, so the step has 2 of its 4 after round 1 and both ranks draw a second
+    (2 rounds at most), their streams together; rank 0's 4 groups are the update's (8 rows: the informative groups of
+    all ranks count, as in one process), rank 1 joins DDP's all-reduce at weight 0; the metrics are global."""
     driver = tmp_path / "rank_1_uniform.py"
     driver.write_text(RANK_1_UNIFORM)
     out = tmp_path / "run"
@@ -248,9 +251,80 @@ def test_torchrun_refill_with_a_rank_that_never_has_an_informative_group_agrees_
     done = torchrun(2, *argv, script=str(driver))
     assert done.returncode == 0, done.stderr[-3000:]
     rows = read_metrics(out)
-    assert [(r["generation_rounds"], r["prompts_drawn"], r["uniform_share"], r["informative_rows"]) for r in rows] == [(2, 8, 0.5, 4)] * 2
+    assert [(r["generation_rounds"], r["prompts_drawn"], r["uniform_share"], r["informative_rows"]) for r in rows] == [(2, 8, 0.5, 8)] * 2
     assert all(r["grad_norm"] > 0 and r["skipped"] == 0 and math.isfinite(r["loss"]) for r in rows)
     assert json.loads((out / "checkpoint-2" / "trainer_state.json").read_text())["data_position"] == 16
+
+
+SCRIPTED_GROUPS = """
+import json, os, sys
+sys.path.insert(0, os.getcwd())
+import sampling, train
+informative = {tuple(ids) for ids in json.load(open(os.environ["INFORMATIVE_PROMPTS"]))}
+
+def generate(self, prompts, n):  # the same completions for a prompt in any process: its group, whichever rank draws it
+    return [[sampling.Rollout(p, [10 + j, 20 + len(p) % 7, 30 + j % 3][: 1 + j % 3], ("i" if tuple(p) in informative else "u") + str(j),
+                              False) for j in range(n)] for p in prompts]
+
+def reward(completion, answer):  # an informative prompt's rollouts earn 0 and 1 in turn, a uniform one's 1.0 each
+    return float(int(completion[1:]) % 2) if completion[0] == "i" else 1.0
+
+original = train.policy_update
+def recorded(model, optimizer, scheduler, kept, advantages, settings, pad_id, rows_in_mean=None):
+    with open(os.path.join(os.environ["UPDATES_DIR"], "rank" + os.environ.get("RANK", "0")), "a") as f:
+        f.write(json.dumps({"rows": [[r.prompt_ids, r.completion_ids, a] for r, a in zip(kept, advantages.tolist())],
+                            "rows_in_mean": rows_in_mean}) + "\\n")
+    return original(model, optimizer, scheduler, kept, advantages, settings, pad_id, rows_in_mean=rows_in_mean)
+
+sampling.HFSampler.generate, train.rewards.reward, train.policy_update = generate, reward, recorded
+sys.exit(train.main())
+"""
+
+
+def test_torchrun_refill_trains_on_the_rows_of_one_process_and_ends_with_its_adapter(tiny_model_dir, tmp_path):
+    """--uniform-groups refill is global: in each round of 4 prompts the first 2 are informative (prompts 0-1 on rank 0,
+    2-3 on rank 1), so a step has 2 informative groups after round 1 and draws a second. One process trains on the 4
+    informative groups, 8 rows; two ranks train on the same 8 rows, all on rank 0, while rank 1 runs one row at weight 0.
+    With beta > 0 that row has a KL gradient, and the loss and gradient norm are those of a mean over 8 rows (a rank-local
+    mean would halve them): rows, advantages, loss, gradient norm and adapter match one process. Completions and
+    rewards are scripted per prompt, so both runs draw the same rollouts."""
+    from safetensors.torch import load_file
+
+    tokenizer = models.load_policy(str(tiny_model_dir), "cpu", torch.float32)[1]
+    stream = data.PromptStream(data.load_examples("arith", "train"), lambda q: sampling.build_prompt(tokenizer, q), 512, seed=0)
+    prompts = [ids for ids, _ in stream.next_batch(24)]
+    (tmp_path / "informative.json").write_text(json.dumps([p for i, p in enumerate(prompts) if i % 4 < 2]))
+    driver = tmp_path / "scripted_groups.py"
+    driver.write_text(SCRIPTED_GROUPS)
+    flags = ("--steps", "3", "--prompts-per-step", "4", "--uniform-groups", "refill", "--max-refill-rounds", "2",
+             "--beta", "0.5", "--no-bf16-autocast", "--max-grad-norm", "1e9")
+    runs = {}
+    for processes in (1, 2):
+        out, updates = tmp_path / f"run{processes}", tmp_path / f"updates{processes}"
+        updates.mkdir()
+        env = os.environ | {"INFORMATIVE_PROMPTS": str(tmp_path / "informative.json"), "UPDATES_DIR": str(updates)}
+        argv = tiny_args(tiny_model_dir, out, *flags)
+        command = ([sys.executable, str(driver), *argv] if processes == 1 else
+                   [str(Path(sys.executable).with_name("torchrun")), "--standalone", "--nproc_per_node", "2", str(driver), "--", *argv])
+        done = subprocess.run(command, cwd=Path(__file__).parent, capture_output=True, text=True, timeout=300, env=env)
+        assert done.returncode == 0, done.stderr[-3000:]
+        ranks = [[json.loads(line) for line in (updates / f"rank{r}").read_text().splitlines()] for r in range(processes)]
+        runs[processes] = {"metrics": read_metrics(out), "updates": ranks,
+                           "adapter": load_file(out / "checkpoint-3" / "adapter_model.safetensors")}
+    one, two = runs[1], runs[2]
+    assert [(r["generation_rounds"], r["prompts_drawn"], r["informative_rows"]) for r in one["metrics"]] == [(2, 8, 8)] * 3
+    for step in range(3):
+        (alone,) = [u[step] for u in one["updates"]]
+        rank0, rank1 = (u[step] for u in two["updates"])
+        assert alone["rows_in_mean"] == 8 and len(alone["rows"]) == 8
+        assert rank0["rows"] == alone["rows"] and rank0["rows_in_mean"] == 8 / 2  # the same rows, in the same order
+        assert rank1["rows_in_mean"] == math.inf and len(rank1["rows"]) == 1  # no informative group: one row at weight 0
+    for a, b in zip(one["metrics"], two["metrics"]):
+        assert (b["generation_rounds"], b["prompts_drawn"], b["informative_rows"]) == (a["generation_rounds"], a["prompts_drawn"], a["informative_rows"])
+        for key in ("loss", "kl", "grad_norm", "reward_mean", "uniform_share", "all_rounds_reward_mean"):
+            assert b[key] == pytest.approx(a[key], rel=1e-5, abs=1e-7), key
+    assert two["metrics"][-1]["kl"] > 0 and two["metrics"][-1]["grad_norm"] > 0
+    assert max((one["adapter"][k] - two["adapter"][k]).abs().max().item() for k in one["adapter"]) <= 1e-6
 
 
 def lora_policy_weights(model_dir: Path) -> list[torch.Tensor]:

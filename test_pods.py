@@ -230,6 +230,27 @@ def test_a_markdown_bullet_before_the_answer_is_not_read_as_a_minus_sign(complet
     assert rewards.reward(completion, answer) == pytest.approx(expected)
 
 
+@pytest.mark.parametrize("completion, answer, expected", [
+    ("<answer>- 3</answer>", "3", 0.0), ("<answer>- 3</answer>", "-3", 1.0),
+    ("\\boxed{- 5}", "5", 0.0), ("\\boxed{- 5}", "-5", 1.0),
+    ("answer: - 3", "3", 0.0), ("answer: - 3", "-3", 1.0),
+    ("<answer>\n- 3\n</answer>", "-3", 1.0),  # the tag's content is -3; the completion's line "- 3" a bullet: 3 counts too
+    ("<answer>\n- 3\n</answer>", "3", 1.0),
+    ("The answer is 10 - 3", "3", 1.0), ("The answer is 10 - 3", "-3", 0.0), ("The answer is 10 - 3", "7", 0.0),
+    ("<answer>(2 + 8) - 3</answer>", "3", 1.0), ("<answer>10 -3</answer>", "-3", 0.0),
+])
+def test_an_extracted_answer_keeps_its_minus_sign_and_a_subtraction_ends_in_its_last_number(completion, answer, expected):
+    """The bullet rule reads a "- " starting a line of the completion, never an answer extracted from it; "10 - 3" is a
+    subtraction whose last number is 3, as the authors' grader reads it (its last number, [\\d.,]+, has no sign)."""
+    assert rewards.correctness_reward(completion, answer) == expected
+
+
+def test_normalize_number_reads_list_markers_only_in_a_completions_text():
+    assert rewards.normalize_number("- 72") == "72" and rewards.normalize_number("- 72", list_markers=False) == "-72"
+    assert rewards.normalize_number("\n- 72", list_markers=False) == "-72"
+    assert rewards.extract_answer("so \\boxed{- 5}") == "- 5" and rewards.extract_answer("<answer> - 3 </answer>") == "- 3"
+
+
 def test_extract_answer_prefers_the_last_answer_tag_then_the_last_number():
     assert rewards.extract_answer("<answer>1</answer> then <answer> 2 </answer>") == "2"
     assert rewards.extract_answer("it is 3, no 4") == "4"

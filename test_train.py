@@ -232,7 +232,7 @@ def test_ctrl_c_that_kills_the_generation_engine_saves_the_last_finished_step(ti
     """vLLM's engine process also gets the Ctrl-C and may die mid-generation: the run still saves
     a checkpoint of the last finished step, with the data position of that step."""
     monkeypatch.setattr(train.rewards, "reward", length_reward)
-    original, calls = train.generate_and_score, []
+    original, calls = sampling.generate_and_score, []
 
     def engine_dies_on_step_2(*args):
         calls.append(1)
@@ -241,7 +241,7 @@ def test_ctrl_c_that_kills_the_generation_engine_saves_the_last_finished_step(ti
             raise RuntimeError("EngineCore encountered an issue")
         return original(*args)
 
-    monkeypatch.setattr(train, "generate_and_score", engine_dies_on_step_2)
+    monkeypatch.setattr(sampling, "generate_and_score", engine_dies_on_step_2)
     out = tmp_path / "run"
     assert train.main(tiny_args(tiny_model_dir, out, "--steps", "5")) == 130
     assert [r["step"] for r in read_metrics(out)] == [1]
@@ -711,7 +711,7 @@ def test_ctrl_c_before_step_1_finishes_saves_checkpoint_0_which_resumes(tiny_mod
         os.kill(os.getpid(), signal.SIGINT)
         raise RuntimeError("EngineCore encountered an issue")
 
-    monkeypatch.setattr(train, "generate_and_score", engine_dies)
+    monkeypatch.setattr(sampling, "generate_and_score", engine_dies)
     out = tmp_path / "run"
     assert train.main(tiny_args(tiny_model_dir, out, "--steps", "2")) == 130
     assert [p.name for p in checkpoint.find(out)] == ["checkpoint-0"]
@@ -870,7 +870,8 @@ def test_refill_draws_full_batches_until_the_step_has_its_informative_groups_and
         assert (row["generation_rounds"], row["prompts_drawn"], row["uniform_share"]) == (drawn // 2, drawn, 0.5)
         assert row["informative_rows"] == 4 * len(kept_prompts)
         generated = [UNIFORM, MIXED, UNIFORM, UNIFORM, MIXED, MIXED][:drawn]
-        assert row["reward_mean"] == row["kept_reward_mean"] == pytest.approx(np.mean(generated))  # over all rounds
+        assert row["reward_mean"] == row["kept_reward_mean"] == pytest.approx(np.mean(generated[:2]))  # keep's names: round 1
+        assert row["all_rounds_reward_mean"] == row["all_rounds_kept_reward_mean"] == pytest.approx(np.mean(generated))
         assert json.loads((out / "checkpoint-1" / "trainer_state.json").read_text())["data_position"] == drawn
         assert [r.prompt_ids for r in updates[-1]["kept"]] == [prompts[i] for i in kept_prompts for _ in range(4)]
         assert updates[-1]["rows_in_mean"] == 4 * len(kept_prompts)

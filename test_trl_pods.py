@@ -289,6 +289,17 @@ def test_pods_reward_std_is_the_std_of_all_kept_rewards_as_trls_reward_std_is_of
     assert logged["pods/frac_reward_zero_std"] == 0.5  # the [2, 2] group
 
 
+def test_pods_frac_reward_zero_std_counts_the_groups_whose_advantages_are_zero_as_train_py_does(trl_pods):
+    """Eight kept rewards of 1.2 have a float32 std of 1.3e-7, not 0: torch.isclose(std, 0) called them informative, while
+    grpo.group_advantages gives them 0. The fraction is that of pods.informative_groups, train.py's uniform_share."""
+    trainer = one_process_trainer(n=8, m=8)
+    r = torch.tensor([1.2] * 8 + [0.0, 1.0] * 4)
+    assert r[:8].std().item() > 1e-8  # what isclose's atol missed
+    batch = {"completion_mask": torch.ones(16, 3, dtype=torch.long), "advantages": torch.zeros(16)}
+    kept = trl_pods.PODSGRPOTrainer.downsample_batch(trainer, batch, r)
+    assert kept["advantages"][:8].eq(0).all() and trainer._metrics["train"]["pods/frac_reward_zero_std"] == [0.5]
+
+
 def test_num_items_in_batch_counts_the_kept_rows_loss_mask_with_truncated_rows_zeroed_as_trl_does(trl_pods):
     # trl 1.16.0 with mask_truncated_completions zeroes a truncated row's completion_mask and tool_mask, then counts
     # completion_mask * tool_mask (grpo_trainer.py 2487-2498): the masks it returns are the ones it counted

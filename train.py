@@ -69,7 +69,7 @@ class Args:
     model: str = arg("auto", f"hub name or local dir; 'embedded' = SmolLM2-135M-Instruct; 'auto' = {GPU_MODEL} on a GPU, else embedded")
     dataset: str = arg("auto", "'gsm8k' (hub), 'arith[:LEVELS]' (built-in task), a GSM8K-style .jsonl, or 'auto' = gsm8k on a GPU, else arith")
     n: int = arg(32, "rollouts generated per prompt")
-    m: int = arg(16, "rollouts kept per prompt for the update (PODS); ignored with --rule none")
+    m: int = arg(16, "rollouts kept per prompt for the update (PODS); --rule none keeps all n (m is set to n, as config.json records)")
     rule: str = arg("max_variance", "down-sampling rule: max_variance | max_reward | random | none (vanilla GRPO on all n)")
     uniform_groups: str = arg("keep", "groups whose kept rewards are all equal: keep (the paper) | skip (left out of the update) | refill (DAPO's dynamic sampling: draw more prompts until the step has --prompts-per-step informative groups)")
     max_refill_rounds: int = arg(4, "--uniform-groups refill: at most this many generation rounds a step, the first included")
@@ -189,6 +189,15 @@ def train_loop(args, model, tokenizer, optimizer, scheduler, sampler, stream, st
 
 
 @dataclass
+class Round:
+    """One generation round on this rank: its scored rollouts (steps 2-3), the indices of the m kept of each prompt's n
+    (step 4), and whether each group's kept rewards differ (pods.informative_groups: a uniform group has advantages 0)."""
+    scored: sampling.Scored
+    kept: list[int]
+    informative: np.ndarray
+
+
+@dataclass
 class Step:
     """Steps 1-5 on this rank: the update's rows, their advantages, policy_update's rows_in_mean, all ranks' rows, metrics."""
     kept: list[sampling.Rollout]
@@ -199,63 +208,63 @@ class Step:
 
 
 def sample_step(args: Args, sampler, stream: data.PromptStream, rng: np.random.Generator, stop: dict, world: distributed.World) -> Step | None:
-    """Steps 1-5 in generation rounds. A group whose kept rewards are all equal has advantages 0 (pods.informative_groups):
-    --uniform-groups keep trains on it (the paper), skip leaves it out, refill too and draws further rounds, a full batch
-    each, until each rank has its share of informative groups or --max-refill-rounds rounds have run (pods.dynamic_sampling,
-    DAPO); the ranks agree on the rounds, so their prompt streams stay together. None when a Ctrl-C stopped generation."""
-    share = args.prompts_per_step // world.size  # this rank's prompts a round
-    rounds, kept_idx, informative = [], [], np.zeros(0, dtype=bool)  # kept_idx: into every round's rollouts, in order
-    while True:
-        batch = distributed.shard(stream.next_batch(args.prompts_per_step), world)  # 1. prompts (this rank's share)
-        scored = generate_unless_stopped(sampler, batch, args.n, stop)  # 2-3. n rollouts per prompt, scored
-        if distributed.any_rank(scored is None, world):
-            return None
-        round_scores = scored[1]
-        kept = select(round_scores, args.rule, args.n, args.m, rng)  # 4. keep m of each prompt's n
-        informative = np.append(informative, pods.informative_groups(round_scores[kept].view(-1, args.m)))
-        kept_idx += [len(rounds) * share * args.n + i for i in kept]
-        rounds.append(scored)
-        if (args.uniform_groups != "refill" or len(rounds) == args.max_refill_rounds  # every rank takes the same branch
-                or distributed.any_rank(stop["requested"], world) or not distributed.any_rank(informative.sum() < share, world)):
-            break
-    rollouts = [r for scored in rounds for r in scored[0]]
-    scores, correct, formatted = (torch.cat([scored[k] for scored in rounds]) for k in (1, 2, 3))
-    groups = list(range(share)) if args.uniform_groups == "keep" else pods.dynamic_sampling(informative, share)
-    update_idx = [kept_idx[g * args.m + j] for g in groups for j in range(args.m)]
-    counts = distributed.gather((len(update_idx), args.m * int(informative[groups].sum())), world)  # every rank's
-    rows, informative_rows = sum(c[0] for c in counts), sum(c[1] for c in counts)
-    if update_idx:
-        advantages = grpo.group_advantages(scores[update_idx].view(-1, args.m)).flatten()  # 5. from the kept rewards
-        rows_in_mean = rows / world.size  # DDP averages the ranks' gradients: each rank's sum over rows / this = the mean over all
-    else:  # none here but some elsewhere: DDP's all-reduce needs this rank's backward too, on one kept row at weight 0
-        update_idx, advantages, rows_in_mean = kept_idx[:1], torch.zeros(1), math.inf
-    metrics = progress.step_metrics(scores, correct, formatted, rollouts, kept_idx, args.n, args.m) | {  # all rounds; kept_*: all kept, uniform too
-        "uniform_share": float(np.mean(~informative[:share])), "generation_rounds": len(rounds),  # uniform: the first round's
-        "prompts_drawn": len(rounds) * args.prompts_per_step, "informative_rows": informative_rows}  # both over all ranks
-    return Step([rollouts[i] for i in update_idx], advantages, rows_in_mean, rows, metrics)
-
-
-def generate_and_score(sampler, batch: list[tuple[list[int], str]], n: int):
-    """n rollouts per prompt, group after group, and per rollout its reward, correctness and format (rewards.py)."""
-    groups = sampler.generate([prompt for prompt, _ in batch], n)
-    rollouts = [r for group in groups for r in group]
-    answers = [answer for _, answer in batch for _ in range(n)]
-    scores = torch.tensor([rewards.reward(r.text, a) for r, a in zip(rollouts, answers)])
-    correct = torch.tensor([rewards.correctness_reward(r.text, a) for r, a in zip(rollouts, answers)])
-    formatted = torch.tensor([float(rewards.is_well_formatted(r.text)) for r in rollouts])
-    return rollouts, scores, correct, formatted
-
-
-def generate_unless_stopped(sampler, batch: list[tuple[list[int], str]], n: int, stop: dict):
-    """generate_and_score, or None when a Ctrl-C stopped the generation itself (vLLM's engine may
-    get the signal too and abort its requests): the policy is then still that of the last finished
-    step, which is what gets saved."""
-    try:
-        return generate_and_score(sampler, batch, n)
-    except Exception:
-        if not stop["requested"]:
-            raise
+    """Steps 1-5 of Algorithm 1 on this rank; None when a Ctrl-C stopped generation. --uniform-groups skip and refill
+    continue in informative_step. Metrics under keep's names are the first round's, in every mode."""
+    first = draw_round(args, sampler, stream, rng, stop, world)  # 1-4. prompts, n rollouts each, scored, m kept of each n
+    if first is None:
         return None
+    metrics = progress.step_metrics([first], args.n, args.m) | {"uniform_share": float(np.mean(~first.informative))}
+    if args.uniform_groups != "keep":
+        return informative_step(args, sampler, stream, rng, stop, world, first, metrics)
+    advantages = grpo.group_advantages(first.scored.rewards[first.kept].view(-1, args.m)).flatten()  # 5. from the kept rewards
+    metrics |= {"generation_rounds": 1, "prompts_drawn": args.prompts_per_step,
+                "informative_rows": args.m * sum(distributed.gather(int(first.informative.sum()), world))}  # over all ranks
+    kept = [first.scored.rollouts[i] for i in first.kept]
+    return Step(kept, advantages, rows_in_mean=len(kept), global_rows=len(kept) * world.size, metrics=metrics)
+
+
+def draw_round(args: Args, sampler, stream: data.PromptStream, rng: np.random.Generator, stop: dict, world: distributed.World) -> Round | None:
+    """Steps 1-4 on this rank's share of a batch of prompts; None on every rank when a Ctrl-C stopped generation on any."""
+    batch = distributed.shard(stream.next_batch(args.prompts_per_step), world)  # 1. prompts (this rank's share)
+    scored = sampling.generate_unless_stopped(sampler, batch, args.n, stop)  # 2-3. n rollouts per prompt, scored
+    if distributed.any_rank(scored is None, world):
+        return None
+    kept = select(scored.rewards, args.rule, args.n, args.m, rng)  # 4. keep m of each prompt's n
+    return Round(scored, kept, pods.informative_groups(scored.rewards[kept].view(-1, args.m)))
+
+
+def informative_step(args: Args, sampler, stream: data.PromptStream, rng: np.random.Generator, stop: dict,
+                     world: distributed.World, first: Round, metrics: dict) -> Step | None:
+    """Steps 1-5 on informative groups only (--uniform-groups skip or refill). Skip leaves uniform groups out; refill
+    also draws further rounds, a full batch each, until the informative groups over all ranks reach --prompts-per-step
+    or --max-refill-rounds rounds have run (DAPO's dynamic sampling). The step takes the first informative groups in
+    draw order (round, rank, position): torchrun's ranks train on the groups one process with every prompt trains on.
+    So ranks may hold different numbers of rows: each weighs its rows by all rows / ranks (policy_update's rows_in_mean),
+    and a rank with none runs one row at weight 0, as DDP's all-reduce needs its backward. Refill logs all rounds'
+    figures as all_rounds_* (whether it draws again depends on the first round: pooled, they are biased)."""
+    rounds = [first]
+    informative = [np.concatenate(distributed.gather(first.informative, world))]  # per round, every rank's in rank order
+    while (args.uniform_groups == "refill" and sum(map(np.sum, informative)) < args.prompts_per_step
+           and len(rounds) < args.max_refill_rounds and not distributed.any_rank(stop["requested"], world)):
+        another = draw_round(args, sampler, stream, rng, stop, world)
+        if another is None:
+            return None
+        rounds.append(another)
+        informative.append(np.concatenate(distributed.gather(another.informative, world)))
+    chosen = pods.dynamic_sampling(np.concatenate(informative), args.prompts_per_step)  # group g of all drawn: round, rank, position
+    share, per_round = args.prompts_per_step // world.size, args.prompts_per_step
+    mine = [(rounds[g // per_round], g % per_round % share) for g in chosen if g % per_round // share == world.rank]
+    rows = [(drawn, drawn.kept[group * args.m + j]) for drawn, group in mine for j in range(args.m)]
+    global_rows = len(chosen) * args.m
+    if rows:
+        kept_rewards = torch.stack([drawn.scored.rewards[i] for drawn, i in rows]).view(-1, args.m)
+        kept, advantages, rows_in_mean = [d.scored.rollouts[i] for d, i in rows], grpo.group_advantages(kept_rewards).flatten(), global_rows / world.size
+    else:  # none here but some elsewhere (none anywhere: no update is made)
+        kept, advantages, rows_in_mean = [first.scored.rollouts[first.kept[0]]], torch.zeros(1), math.inf
+    if args.uniform_groups == "refill":
+        metrics |= {f"all_rounds_{k}": v for k, v in progress.step_metrics(rounds, args.n, args.m).items()}
+    metrics |= {"generation_rounds": len(rounds), "prompts_drawn": len(rounds) * per_round, "informative_rows": global_rows}
+    return Step(kept, advantages, rows_in_mean, global_rows, metrics)
 
 
 def select(scores: torch.Tensor, rule: str, n: int, m: int, rng: np.random.Generator) -> list[int]:

@@ -190,7 +190,8 @@ class PODSGRPOTrainer(GRPOTrainer):
         metrics["pods/reward"].append(kept_rewards.mean().item())
         metrics["pods/reward_std"].append(kept_rewards.std().item())  # pooled, as TRL's reward_std (not per group)
         metrics["pods/group_reward_std"].append(group_std.mean().item())  # mean within-group std: train.py's kept_reward_std
-        metrics["pods/frac_reward_zero_std"].append(torch.isclose(group_std, torch.zeros_like(group_std)).float().mean().item())
+        uniform = ~pods.informative_groups(kept_rewards)  # exactly where group_advantages gives 0 (a float32 std of equal rewards need not be 0)
+        metrics["pods/frac_reward_zero_std"].append(float(uniform.mean()))
         return kept
 
 
