@@ -1,5 +1,6 @@
-"""What a run shows and how it stops: its start line, the progress bar, the metrics rows and the
-Ctrl-C/SIGTERM handler. Display code never ends a run: a failure here is logged and training goes on.
+"""What a run shows and how it stops: its start line, the progress bar, the metrics rows, the
+Ctrl-C/SIGTERM handler and the one line that ends a failed run. Display code never ends a run: a failure
+here is logged and training goes on.
 """
 
 from __future__ import annotations
@@ -7,6 +8,8 @@ from __future__ import annotations
 import json
 import logging
 import signal
+import sys
+import time
 from pathlib import Path
 
 import numpy as np
@@ -105,6 +108,19 @@ def write_row(metrics_file, row: dict) -> None:
         metrics_file.flush()
     except OSError as err:
         log.warning("could not write metrics row %d (%s); training goes on", row["step"], err)
+
+
+RANK_0_FIRST_S = 5.0  # how long the other ranks wait before they exit on an error, so that rank 0 leaves first
+
+
+def say_at_exit(message: str, world: distributed.World = distributed.World()) -> None:
+    """A message that ends the run, on stderr once: rank 0 prints it. torchrun stops every rank as soon as one has
+    exited, so a rank that exits first, silently, can stop rank 0 before the line is out (on an H200, the refusal of
+    more processes than GPUs: stderr held only torchrun's own summary). So the others wait RANK_0_FIRST_S first."""
+    if world.is_main:
+        print(message, file=sys.stderr, flush=True)
+    else:
+        time.sleep(RANK_0_FIRST_S)
 
 
 STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM)

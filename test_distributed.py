@@ -77,6 +77,26 @@ def test_torchrun_with_more_processes_than_gpus_is_refused_in_one_line(tiny_mode
     assert not out.exists()
 
 
+RANK_0_LATE = """
+import os, sys, time
+sys.path.insert(0, os.getcwd())
+import train
+if os.environ["RANK"] == "0":
+    time.sleep(2)  # rank 0 reaches its refusal last: rank 1 exits first, and torchrun then stops every rank
+sys.exit(train.main())
+"""
+
+
+def test_a_refusal_under_torchrun_reaches_its_stderr_when_rank_0_is_the_last_to_get_there(tmp_path):
+    """torchrun stops every rank once one has exited: rank 1, silent, used to exit first and rank 0 was stopped before
+    it printed (on an H200 stderr ended in torchrun's summary alone). The other ranks now wait for rank 0 to say it."""
+    driver = tmp_path / "rank_0_late.py"
+    driver.write_text(RANK_0_LATE)
+    done = torchrun(2, "--prompts-per-step", "3", "--dataset", "arith", "--out-dir", str(tmp_path / "run"), script=str(driver))
+    assert done.returncode != 0 and not (tmp_path / "run").exists()
+    assert done.stderr.count("error: --prompts-per-step 3 does not divide among 2 processes") == 1, done.stderr[-3000:]
+
+
 def test_ctrl_c_on_torchrun_stops_both_ranks_after_the_step_with_one_checkpoint(tiny_model_dir, tmp_path):
     out = tmp_path / "run"
     launcher = torchrun(2, *tiny_args(tiny_model_dir, out, "--steps", "100000", "--prompts-per-step", "4"), wait=False)

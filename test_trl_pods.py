@@ -58,13 +58,15 @@ def length_reward(completions, **kwargs) -> list[float]:
 def grpo_config(out_dir, **overrides):
     from trl import GRPOConfig
 
+    import trl_pods  # TRL is installed: the caller has the trl_pods fixture
+
     settings = {
         "per_device_train_batch_size": MICRO_BATCH, "gradient_accumulation_steps": STEPS, "num_generations": N,
         "max_completion_length": 6, "temperature": 0.9, "top_k": 0, "top_p": 1.0, "learning_rate": 1e-2,
         "loss_type": "grpo",  # grpo.grpo_loss's normalization: the mean over completions of per-token means
         "reward_weights": [1.0, LENGTH_WEIGHT],
         "use_cpu": True, "bf16": False, "fp16": False,
-        "activation_checkpointing": False,  # transformers 5.23's name: TRL's default gradient_checkpointing=True warns
+        **trl_pods.activation_checkpointing(False),  # by this transformers' name: TRL's default is on
         "report_to": "none", "save_strategy": "no", "logging_steps": 1, "disable_tqdm": True, "seed": 0,
         "dataloader_num_workers": 0,
     }
@@ -289,6 +291,17 @@ def test_pods_reward_std_is_the_std_of_all_kept_rewards_as_trls_reward_std_is_of
     assert logged["pods/frac_reward_zero_std"] == 0.5  # the [2, 2] group
 
 
+def test_the_activation_checkpointing_keyword_is_the_one_this_transformers_takes(trl_pods, tmp_path):
+    """transformers 5.19, the GPU set's pin, refuses `activation_checkpointing` (on an H200 the cuda test below failed
+    on it); from 5.23 `gradient_checkpointing` is deprecated. CI runs this file under both (its second pass pins 5.19)."""
+    from trl import GRPOConfig
+
+    ((name, on),) = trl_pods.activation_checkpointing(True).items()
+    config = GRPOConfig(output_dir=str(tmp_path), use_cpu=True, report_to="none", **{name: on})
+    assert getattr(config, name) is True
+    assert name == ("activation_checkpointing" if hasattr(config, "activation_checkpointing") else "gradient_checkpointing")
+
+
 def test_pods_frac_reward_zero_std_counts_the_groups_whose_advantages_are_zero_as_train_py_does(trl_pods):
     """Eight kept rewards of 1.2 have a float32 std of 1.3e-7, not 0: torch.isclose(std, 0) called them informative, while
     grpo.group_advantages gives them 0. The fraction is that of pods.informative_groups, train.py's uniform_share."""
@@ -470,7 +483,7 @@ def test_cuda_a_gpu_users_config_trains_in_bfloat16_keeps_m_rows_and_its_adapter
             return kept
 
     lora = LoraConfig(r=4, lora_alpha=8, lora_dropout=0.0, target_modules=models.LORA_TARGETS, task_type="CAUSAL_LM")
-    config = grpo_config(tmp_path / "trl", use_cpu=False, bf16=True, activation_checkpointing=True, max_steps=2)
+    config = grpo_config(tmp_path / "trl", use_cpu=False, bf16=True, max_steps=2, **trl_pods.activation_checkpointing(True))
     trainer = Spy(model=str(tiny_model_dir), reward_funcs=[trl_pods.task_reward, length_reward], args=config,
                   train_dataset=trl_pods.task_dataset("arith", count=16), peft_config=lora, m=M)
     lora_params = {name: p for name, p in trainer.model.named_parameters() if p.requires_grad}

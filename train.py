@@ -375,21 +375,17 @@ def main(argv: list[str] | None = None) -> int:
         out_dir = train(args, world)
         log.info("done: metrics in %s, checkpoints %s", out_dir / "metrics.jsonl", ", ".join(p.name for p in checkpoint.find(out_dir)[-3:]))
     except (config.UsageError, data.DataError, SetupError) as err:
-        if world.is_main:
-            print(f"error: {err}", file=sys.stderr)
+        progress.say_at_exit(f"error: {err}", world)
         return 2
     except (TrainingError, checkpoint.CheckpointError) as err:
-        if world.is_main:
-            print(f"error: {err}", file=sys.stderr)
+        progress.say_at_exit(f"error: {err}", world)
         return 1
     except torch.OutOfMemoryError:
-        if world.is_main:
-            print(f"error: out of memory; lower --micro-batch (or --n, --prompts-per-step, --max-new-tokens) or pass "
-                  f"--gradient-checkpointing, then --resume from the last checkpoint in {args.out_dir}", file=sys.stderr)
+        progress.say_at_exit(f"error: out of memory; lower --micro-batch (or --n, --prompts-per-step, --max-new-tokens) or pass "
+                             f"--gradient-checkpointing, then --resume from the last checkpoint in {args.out_dir}", world)
         return 1
     except KeyboardInterrupt:
-        if world.is_main:
-            print("interrupted: last checkpoint and metrics are in " + args.out_dir, file=sys.stderr)
+        progress.say_at_exit("interrupted: last checkpoint and metrics are in " + args.out_dir, world)
         return 130
     finally:
         distributed.finish(world)

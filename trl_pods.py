@@ -55,6 +55,7 @@ passes, before any reward exists; dropped rows still pay for those passes.
 
 from __future__ import annotations
 
+import dataclasses
 import inspect
 
 import numpy as np
@@ -219,3 +220,13 @@ def completion_text(completion) -> str:
 def task_reward(completions, answer, **kwargs) -> list[float]:
     """train.py's reward (rewards.reward: correctness plus format) in TRL's reward-function signature."""
     return [rewards.reward(completion_text(c), a) for c, a in zip(completions, answer)]
+
+
+def activation_checkpointing(on: bool) -> dict:
+    """GRPOConfig's activation-checkpointing keyword as the installed transformers names it: `activation_checkpointing`
+    from transformers 5.23, `gradient_checkpointing` before (the GPU set pins 5.19, which refuses the new name; 5.23 and
+    later take the old one with a FutureWarning). As GRPOConfig(**activation_checkpointing(True), ...)."""
+    from transformers import TrainingArguments
+
+    renamed = "activation_checkpointing" in {f.name for f in dataclasses.fields(TrainingArguments)}
+    return {"activation_checkpointing" if renamed else "gradient_checkpointing": on}

@@ -1,0 +1,88 @@
+"""reproduce/gpu/: the GPU check's parts that run without a GPU: the summary from constructed logs (summary.py) and
+check.sh's refusal of an unknown stage (TRL's checkpointing keyword: test_trl_pods.py). The check itself needs a CUDA GPU: bash reproduce/gpu/check.sh (README.md beside this file)."""
+
+from __future__ import annotations
+
+import json
+import re
+import subprocess
+from pathlib import Path
+
+import pytest
+import summary
+
+HERE = Path(__file__).parent
+ENV = {"card": "NVIDIA H200, 143771 MiB", "date": "2026-11-28 10:12 UTC", "commit": "75ef33d with uncommitted changes",
+       "versions": "torch 2.11.0+cu130, transformers 5.19.0, peft 0.21.2, trl 1.16.0, vllm absent",
+       "model": "random weights at Qwen/Qwen2.5-3B-Instruct's shape", "old": "5af2948"}
+
+
+def write_stage(logs: Path, stage: str, steps: list[tuple[float, float]], peak: str | None, **extra) -> None:
+    """STAGE.jsonl with a row per step (generation_s, update_s; elapsed_s adds each step's sum) and STAGE.log."""
+    elapsed, rows = 0.0, []
+    for step, (generation_s, update_s) in enumerate(steps, start=1):
+        elapsed += generation_s + update_s
+        rows.append({"step": step, "elapsed_s": elapsed, "generation_s": generation_s, "update_s": update_s, **extra})
+    (logs / f"{stage}.jsonl").write_text("".join(json.dumps(row) + "\n" for row in rows))
+    (logs / f"{stage}.log").write_text(f"training...\n{peak}\n" if peak else "training...\n")
+
+
+@pytest.fixture
+def logs(tmp_path) -> Path:
+    (tmp_path / "env.txt").write_text("".join(f"{key}: {value}\n" for key, value in ENV.items()))
+    (tmp_path / "tests.log").write_text(
+        "....F.s\nFAILED test_cuda.py::test_cuda_torchrun - AssertionError: no one-line refusal\n"
+        "SKIPPED [1] test_cuda.py:122: could not import 'vllm'\n"
+        "1 failed, 5 passed, 1 skipped, 420 deselected in 95.31s (0:01:35)\n")
+    (tmp_path / "status.txt").write_text("tests\t1\t97\npods\t0\t104\nold\t0\t150\ntrl\t124\t190\ngrpo\t0\t112\n"
+                                         "vllm\tskipped\tvLLM does not import here\n")
+    write_stage(tmp_path, "pods", [(48.0, 3.5), (15.0, 2.0), (16.0, 2.2)], "train.main exit 0 after 99 s; "
+                "CUDA peak allocated 14.27 GiB, reserved 15.21 GiB", completion_len=512.0, sampler_gap_mean=0.027)
+    write_stage(tmp_path, "old", [(50.0, 3.5), (45.0, 2.0), (47.0, 2.0)], "CUDA peak allocated 15.10 GiB, reserved 16.00 GiB")
+    write_stage(tmp_path, "grpo", [(50.0, 5.0), (15.0, 5.0), (16.0, 4.0)], "CUDA peak allocated 14.50 GiB, reserved 15.50 GiB")
+    write_stage(tmp_path, "trl", [(55.0, 5.0), (50.0, 4.0)], None, completion_len=512.0)  # stopped in step 3: no peak
+    return tmp_path
+
+
+@pytest.mark.pure
+def test_summary_times_steps_2_and_3_only_and_divides_step_times_by_trls(logs):
+    text = summary.summary(logs)
+    columns = [re.split(r"\s{2,}", line) for line in text.splitlines()]
+    rows = {line[0]: line[1:] for line in columns if line[0] in summary.ROWS}  # what, steps, generation s, update s, ...
+    assert rows["pods"] == ["PODS, train.py --backend hf", "2-3", "15.5", "2.1", "17.6", "14.27 / 15.21", "512", "0.0270",
+                            "ok, 104 s"]  # step 1's 51.5 s left out
+    assert rows["old"][:2] == ["PODS, train.py at 5af2948", "2-3"]
+    assert rows["trl"] == ["GRPO, TRL GRPOTrainer", "2", "50.0", "4.0", "54.0", "-", "512", "-", "timed out at 190 s"]
+    assert rows["vllm"][-1] == "skipped: vLLM does not import here"
+    assert "step time ratios: pods / trl 0.33, grpo / trl 0.37, pods / grpo 0.88, pods / old 0.37" in text.splitlines()
+
+
+@pytest.mark.pure
+def test_summary_header_names_card_date_commit_versions_model_and_the_tests_counts(logs):
+    lines = summary.summary(logs).splitlines()
+    for key, value in ENV.items():
+        assert f"{key}: {value}" in lines
+    assert "tests (pytest -m cuda): failed (exit 1) after 97 s" in lines
+    assert "  1 failed, 5 passed, 1 skipped, 420 deselected in 95.31s (0:01:35)" in lines
+    assert "  FAILED test_cuda.py::test_cuda_torchrun - AssertionError: no one-line refusal" in lines
+
+
+@pytest.mark.pure
+def test_summary_of_stages_without_rows_names_each_failure_and_gives_no_ratios(tmp_path):
+    (tmp_path / "env.txt").write_text("card: X\n")
+    (tmp_path / "status.txt").write_text("pods\t1\t30\ngrpo\t137\t110\ntrl\tskipped\tno time left of BUDGET=480 s\n")
+    (tmp_path / "pods.log").write_text("Traceback ...\ntorch.OutOfMemoryError: CUDA out of memory\n\n")
+    lines = summary.summary(tmp_path).splitlines()
+    assert [line.split("  ")[-1] for line in lines if line.startswith(("pods  ", "grpo  ", "trl  "))] == [
+        "failed (exit 1) after 30 s", "timed out at 110 s", "skipped: no time left of BUDGET=480 s"]
+    assert "pods failed: torch.OutOfMemoryError: CUDA out of memory" in lines
+    assert not any("ratios" in line or "grpo failed" in line for line in lines)
+
+
+@pytest.mark.pure
+def test_check_sh_refuses_an_unknown_stage_in_one_line_before_doing_anything(tmp_path):
+    result = subprocess.run(["bash", str(HERE / "check.sh"), "pods", "tset"], capture_output=True, text=True,
+                            env={"PATH": "/usr/bin:/bin", "OUT": str(tmp_path / "out")})
+    assert result.returncode == 2 and result.stdout == ""
+    assert result.stderr == "check.sh: unknown stage 'tset'; choose from: tests pods old trl grpo vllm\n"
+    assert not (tmp_path / "out").exists()
