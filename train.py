@@ -257,8 +257,9 @@ def informative_step(args: Args, sampler, stream: data.PromptStream, rng: np.ran
     rows = [(drawn, drawn.kept[group * args.m + j]) for drawn, group in mine for j in range(args.m)]
     global_rows = len(chosen) * args.m
     if rows:
+        kept = [drawn.scored.rollouts[i] for drawn, i in rows]
         kept_rewards = torch.stack([drawn.scored.rewards[i] for drawn, i in rows]).view(-1, args.m)
-        kept, advantages, rows_in_mean = [d.scored.rollouts[i] for d, i in rows], grpo.group_advantages(kept_rewards).flatten(), global_rows / world.size
+        advantages, rows_in_mean = grpo.group_advantages(kept_rewards).flatten(), global_rows / world.size  # 5. from the kept rewards
     else:  # none here but some elsewhere (none anywhere: no update is made)
         kept, advantages, rows_in_mean = [first.scored.rollouts[first.kept[0]]], torch.zeros(1), math.inf
     if args.uniform_groups == "refill":

@@ -35,5 +35,7 @@ fi
 
 ls .gpu/whl
 tree=$( (git ls-files -z --cached --others --exclude-standard | du -cb --files0-from=- 2>/dev/null || true) | tail -n 1 | cut -f 1)
-gpu=$(du -sb .gpu | cut -f 1)
-echo ".gpu/ $((gpu >> 20)) MiB; with the working tree $(((tree + gpu) >> 20)) MiB travel (the device tool carries 64 MiB)"
+carry=(.gpu/whl .gpu/smol .gpu/gsm8k-train.jsonl .gpu/commit)
+[[ -d .gpu/old ]] && carry+=(.gpu/old)
+gpu=$(du -cb "${carry[@]}" | tail -n 1 | cut -f 1)
+echo "carry: ${carry[*]}: $((gpu >> 20)) MiB; with the working tree $(((tree + gpu) >> 20)) MiB travel (the device tool carries 64 MiB)"
