@@ -58,7 +58,7 @@ if [[ -d .gpu/whl ]]; then  # prepared by prepare.sh for a machine without the h
 fi
 card=$(nvidia-smi --query-gpu=name,memory.total --format=csv,noheader 2>/dev/null | head -n 1)
 python3 -c "import torch, sys; sys.exit(not torch.cuda.is_available())" || { echo "check.sh: torch sees no CUDA GPU here; this check needs one"; exit 1; }
-source "$HERE/vllm/env.sh" 2>/dev/null  # vLLM 0.25.0 where reproduce/gpu/vllm/receive.sh unpacked it (vllm/README.md)
+source "$HERE/carry-vllm/env.sh" 2>/dev/null  # vLLM 0.25.0 where reproduce/gpu/carry-vllm/receive.sh unpacked it (carry-vllm/README.md)
 python3 -c "import vllm" 2>/dev/null && has_vllm=yes || has_vllm=
 [[ $has_vllm ]] && SHARE[tests]=60  # the vLLM test starts vLLM three times
 if line=$(python3 "$HERE/make_models.py" embedded "$WORK/cache"); then  # the CUDA tests' model, in PODS_CACHE

@@ -2,10 +2,10 @@
 # Prepares vLLM 0.25.0 for a borrowed GPU machine (torch 2.11.0+cu130, Python 3.12, no network, no vLLM), where
 # one device-tool `run` carries at most 64 MiB beside the working tree but /tmp survives between calls while the
 # machine is held. Run here, in the checkout, where pip can download:
-#   bash reproduce/gpu/vllm/prepare.sh              # .gpu/vllm/part-00 ... and .gpu/vllm/manifest
-#   bash reproduce/gpu/vllm/prepare.sh --with-moe   # keep the MoE kernels (46 MB; needed only for MoE models)
-#   bash reproduce/gpu/vllm/prepare.sh --with-fa2   # keep FlashAttention 2 (191 MB; Ampere/Ada, ALiBi models)
-#   PIECE_MIB=40 bash reproduce/gpu/vllm/prepare.sh # smaller pieces (default: what fits beside the tree)
+#   bash reproduce/gpu/carry-vllm/prepare.sh              # .gpu/vllm/part-00 ... and .gpu/vllm/manifest
+#   bash reproduce/gpu/carry-vllm/prepare.sh --with-moe   # keep the MoE kernels (46 MB; needed only for MoE models)
+#   bash reproduce/gpu/carry-vllm/prepare.sh --with-fa2   # keep FlashAttention 2 (191 MB; Ampere/Ada, ALiBi models)
+#   PIECE_MIB=40 bash reproduce/gpu/carry-vllm/prepare.sh # smaller pieces (default: what fits beside the tree)
 # (For its test: VLLM_PACK_ONLY=dir packs that directory instead, downloading nothing, into VLLM_OUT, in pieces
 # of PIECE_BYTES.)
 # It downloads the wheels that requirements.txt (beside this file) pins by hash, installs them here into a target
@@ -15,7 +15,7 @@
 # file has the sequence of calls.
 set -euo pipefail
 cd "$(git rev-parse --show-toplevel)"
-here=reproduce/gpu/vllm
+here=reproduce/gpu/carry-vllm
 work=${VLLM_WORK:-/tmp/vllm-work/prepare}
 out=${VLLM_OUT:-.gpu/vllm}
 with_fa2=0 with_moe=0
@@ -96,7 +96,7 @@ mkdir -p "$out"
 rm -f "$out"/part-* "$out/manifest"
 split -b "$piece" -d -a 2 "$payload" "$out/part-"
 {
-  echo "# vLLM payload for reproduce/gpu/vllm/receive.sh, made by prepare.sh on $(date -u +%Y-%m-%dT%H:%MZ)"
+  echo "# vLLM payload for reproduce/gpu/carry-vllm/receive.sh, made by prepare.sh on $(date -u +%Y-%m-%dT%H:%MZ)"
   echo "vllm 0.25.0"
   echo "fa2 $( ((with_fa2)) && echo kept || echo left-out)"
   echo "moe $( ((with_moe)) && echo kept || echo left-out)"

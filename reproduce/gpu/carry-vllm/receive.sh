@@ -1,6 +1,6 @@
 #!/bin/bash
 # Receives vLLM 0.25.0 on a borrowed GPU machine, one piece per device call (prepare.sh made them here):
-#   run(command='bash reproduce/gpu/vllm/receive.sh', carry=['.gpu/vllm/part-00', '.gpu/vllm/manifest'])
+#   run(command='bash reproduce/gpu/carry-vllm/receive.sh', carry=['.gpu/vllm/part-00', '.gpu/vllm/manifest'])
 #   ... the same with part-01, part-02, ... back to back
 # Each call verifies the piece it finds in .gpu/vllm against the manifest and stores it in /tmp/vllm-recv; the
 # call that completes the set checks the whole payload's sha256, unpacks it into /tmp/vllm-site and imports
@@ -8,10 +8,10 @@
 # order, and once installed a call only re-checks the import. /tmp lasts only while the machine is held: a
 # released machine starts bare, and then every piece must be carried again (the output names the missing ones).
 # Exit status: 0 installed and importing; 10 pieces still missing; 2 no manifest; 3 a damaged piece;
-# 4 the assembled payload does not match; 5 an import failed. Then: source reproduce/gpu/vllm/env.sh
+# 4 the assembled payload does not match; 5 an import failed. Then: source reproduce/gpu/carry-vllm/env.sh
 set -uo pipefail
 cd "$(dirname "$0")/../../.."
-here=reproduce/gpu/vllm
+here=reproduce/gpu/carry-vllm
 src=${VLLM_PARTS:-.gpu/vllm}
 recv=${VLLM_RECV:-/tmp/vllm-recv}
 site=${VLLM_SITE:-/tmp/vllm-site}

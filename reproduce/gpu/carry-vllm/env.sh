@@ -1,4 +1,4 @@
-# source reproduce/gpu/vllm/env.sh: use the vLLM 0.25.0 that receive.sh unpacked into /tmp/vllm-site (VLLM_SITE).
+# source reproduce/gpu/carry-vllm/env.sh: use the vLLM 0.25.0 that receive.sh unpacked into /tmp/vllm-site (VLLM_SITE).
 # Returns non-zero, changing nothing, where it is not there.
 _vllm_site=${VLLM_SITE:-/tmp/vllm-site}
 if [[ -f $_vllm_site/.vllm-payload ]]; then
@@ -9,7 +9,7 @@ if [[ -f $_vllm_site/.vllm-payload ]]; then
   export VLLM_NO_USAGE_STATS=1 DO_NOT_TRACK=1  # no network there
   unset _vllm_site
 else
-  echo "env.sh: no vLLM in $_vllm_site: run reproduce/gpu/vllm/receive.sh first" >&2
+  echo "env.sh: no vLLM in $_vllm_site: run reproduce/gpu/carry-vllm/receive.sh first" >&2
   unset _vllm_site
   false
 fi

@@ -1,7 +1,7 @@
 """Imports what vllm.LLM with LoRA imports (vllm_sampler.py's path), as receive.sh's last step: prints vLLM's
 version, and on a GPU the platform and the FlashAttention version vLLM picks. Exit status 1 if any import fails.
 
-    PYTHONPATH=/tmp/vllm-site VLLM_USE_FLASHINFER_SAMPLER=0 python3 reproduce/gpu/vllm/check_imports.py
+    PYTHONPATH=/tmp/vllm-site VLLM_USE_FLASHINFER_SAMPLER=0 python3 reproduce/gpu/carry-vllm/check_imports.py
 
 On a CPU the CUDA extensions cannot load (they need the driver's libcuda.so.1), so only the modules that
 import without them are checked there.
