@@ -91,7 +91,7 @@ def _example(row: dict) -> Example | None:
         return None
     answer = str(answer)
     try:
-        parsed = parse_gsm8k_solution(answer) if "####" in answer else normalize_number(answer)
+        parsed = parse_gsm8k_solution(answer) if "####" in answer else normalize_number(answer, list_markers=False)
     except ValueError:
         return None
     return Example(question, parsed) if parsed is not None else None

@@ -118,7 +118,7 @@ def parse_gsm8k_solution(text: str) -> str:
     "... #### 1,000" gives "1000". Raises ValueError when the text has no "#### <number>".
     """
     _, marker, tail = text.rpartition("####")
-    answer = normalize_number(tail) if marker else None
+    answer = normalize_number(tail, list_markers=False) if marker else None
     if answer is None:
         raise ValueError(f"a GSM8K solution must end in '#### <number>', got {text[-60:]!r}")
     return answer
@@ -146,7 +146,7 @@ def correctness_reward(completion: str, answer: str) -> float:
     The bullet rule belongs to the completion's lines only: "<answer>- 3</answer>" is -3, while
     "<answer>\\n- 3\\n</answer>" reads -3 as its answer and 3 as the completion's last number (a bullet).
     """
-    expected = normalize_number(answer)
+    expected = normalize_number(answer, list_markers=False)  # a reference answer, not a completion: "- 5" is -5
     found = (normalize_number(extract_answer(completion), list_markers=False), normalize_number(completion))
     return CORRECT_REWARD if expected is not None and expected in found else 0.0
 

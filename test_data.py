@@ -35,6 +35,8 @@ def test_jsonl_reader_accepts_gsm8k_solutions_and_bare_numbers(tmp_path):
     path = tmp_path / "d.jsonl"
     path.write_text('{"question": "q1", "answer": "x\\n#### 1,200"}\n{"question": "q2", "answer": 7}\nnot json\n{"question": "q3"}\n')
     assert data.load_examples(str(path), "train") == [data.Example("q1", "1200"), data.Example("q2", "7")]
+    path.write_text('{"question": "q1", "answer": "- 5"}\n{"question": "q2", "answer": "x\\n#### - 3"}\n')
+    assert data.load_examples(str(path), "train") == [data.Example("q1", "-5"), data.Example("q2", "-3")]  # no bullets in a reference
 
 
 def test_jsonl_reader_errors_name_the_problem(tmp_path):

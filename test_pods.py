@@ -247,6 +247,8 @@ def test_an_extracted_answer_keeps_its_minus_sign_and_a_subtraction_ends_in_its_
 
 def test_normalize_number_reads_list_markers_only_in_a_completions_text():
     assert rewards.normalize_number("- 72") == "72" and rewards.normalize_number("- 72", list_markers=False) == "-72"
+    assert rewards.parse_gsm8k_solution("...\n#### - 5") == "-5"  # a reference answer has no bullets either
+    assert rewards.correctness_reward("<answer>-5</answer>", "- 5") == 1.0 and rewards.correctness_reward("so 5", "- 5") == 0.0
     assert rewards.normalize_number("\n- 72", list_markers=False) == "-72"
     assert rewards.extract_answer("so \\boxed{- 5}") == "- 5" and rewards.extract_answer("<answer> - 3 </answer>") == "- 3"
 
