@@ -14,6 +14,7 @@ import torch
 
 import checkpoint
 import eval as evaluation  # eval.py; `eval` is a builtin name
+import rewards
 import sampling
 import train
 import update
@@ -80,7 +81,7 @@ def test_cuda_gpu_profile_trains_resumes_exactly_and_evaluates(tiny_model_dir, t
     model with the transformers backend: 2 steps, then --resume to step 3, against a run of 3 steps
     straight. The resumed step 3 samples the same rollouts (torch.cuda's generator is restored) and
     scores them alike; then eval.py evaluates the run on the GPU."""
-    monkeypatch.setattr(train.rewards, "reward", length_reward)
+    monkeypatch.setattr(rewards, "reward", length_reward)
     argv = ["--model", str(tiny_model_dir), "--dataset", "arith", "--backend", "hf", "--n", "8", "--m", "4",
             "--max-new-tokens", "8", "--save-every-minutes", "0", "--save-every-steps", "0"]
     straight, resumed = tmp_path / "straight", tmp_path / "resumed"

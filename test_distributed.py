@@ -253,9 +253,9 @@ def test_ranks_with_different_numbers_of_rows_make_the_update_of_one_process_wit
 RANK_1_UNIFORM = """
 import itertools, os, sys
 sys.path.insert(0, os.getcwd())
-import train
+import rewards, train
 informative = itertools.cycle([0.0, 1.0, 0.0, 2.0])  # rank 0: every group informative; rank 1: every group uniform
-train.rewards.reward = (lambda completion, answer: next(informative)) if os.environ["RANK"] == "0" else (lambda completion, answer: 1.0)
+rewards.reward = (lambda completion, answer: next(informative)) if os.environ["RANK"] == "0" else (lambda completion, answer: 1.0)
 sys.exit(train.main())
 """
 
@@ -279,7 +279,7 @@ def test_torchrun_refill_with_a_rank_that_never_has_an_informative_group_agrees_
 SCRIPTED_GROUPS = """
 import json, os, sys
 sys.path.insert(0, os.getcwd())
-import sampling, train
+import rewards, sampling, train
 informative = {tuple(ids) for ids in json.load(open(os.environ["INFORMATIVE_PROMPTS"]))}
 
 def generate(self, prompts, n):  # the same completions for a prompt in any process: its group, whichever rank draws it
@@ -296,7 +296,7 @@ def recorded(model, optimizer, scheduler, kept, advantages, settings, pad_id, ro
                             "rows_in_mean": rows_in_mean}) + "\\n")
     return original(model, optimizer, scheduler, kept, advantages, settings, pad_id, rows_in_mean=rows_in_mean)
 
-sampling.HFSampler.generate, train.rewards.reward, train.policy_update = generate, reward, recorded
+sampling.HFSampler.generate, rewards.reward, train.policy_update = generate, reward, recorded
 sys.exit(train.main())
 """
 
@@ -366,8 +366,8 @@ def test_one_process_world_leaves_everything_as_it_is():
 ELASTIC_DRIVER = """
 import os, signal, sys
 sys.path.insert(0, os.getcwd())
-import train
-train.rewards.reward = lambda completion, answer: float(len(completion) % 3)
+import rewards, train
+rewards.reward = lambda completion, answer: float(len(completion) % 3)
 original = train.policy_update
 def dies_in_step_3(*args, **kwargs):
     marker = os.path.join(os.environ["FAULT_DIR"], "updates-rank" + os.environ["RANK"])

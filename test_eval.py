@@ -16,6 +16,7 @@ import data
 import eval as evaluation  # eval.py; `eval` is a builtin name
 import model as models
 import plot
+import rewards
 import sampling
 import train
 import vllm_sampler
@@ -26,7 +27,7 @@ from testkit import fake_run, length_reward, read_metrics, tiny_args
 def tiny_run(tiny_model_dir, tmp_path_factory) -> Path:
     out = tmp_path_factory.mktemp("tiny_run") / "run"
     with pytest.MonkeyPatch.context() as mp:
-        mp.setattr(train.rewards, "reward", length_reward)
+        mp.setattr(rewards, "reward", length_reward)
         assert train.main(tiny_args(tiny_model_dir, out, "--steps", "2", "--save-every-steps", "1")) == 0
     return out
 

@@ -27,6 +27,7 @@ import config
 import data
 import model as models
 import progress
+import rewards
 import sampling
 import train
 from testkit import length_reward, length_reward_script, lora_policy, read_metrics, tiny_args
@@ -39,7 +40,7 @@ METRIC_KEYS = {"step", "elapsed_s", "generation_s", "update_s", "reward_mean", "
 def test_two_steps_write_metrics_and_an_adapter_then_resume_continues_at_step_3(tiny_model_dir, tmp_path, monkeypatch):
     from safetensors.torch import load_file
 
-    monkeypatch.setattr(train.rewards, "reward", length_reward)
+    monkeypatch.setattr(rewards, "reward", length_reward)
     out = tmp_path / "run"
     assert train.main(tiny_args(tiny_model_dir, out, "--steps", "2")) == 0
     rows = read_metrics(out)
@@ -62,7 +63,7 @@ def test_two_steps_write_metrics_and_an_adapter_then_resume_continues_at_step_3(
 
 
 def test_resume_drops_metrics_rows_after_the_checkpoint(tiny_model_dir, tmp_path, monkeypatch):
-    monkeypatch.setattr(train.rewards, "reward", length_reward)
+    monkeypatch.setattr(rewards, "reward", length_reward)
     out = tmp_path / "run"
     assert train.main(tiny_args(tiny_model_dir, out, "--steps", "2", "--save-every-steps", "1")) == 0
     import shutil
@@ -75,7 +76,7 @@ def test_resume_drops_metrics_rows_after_the_checkpoint(tiny_model_dir, tmp_path
 
 
 def test_resume_with_other_settings_exits_2_naming_them(tiny_model_dir, tmp_path, capsys, monkeypatch):
-    monkeypatch.setattr(train.rewards, "reward", length_reward)
+    monkeypatch.setattr(rewards, "reward", length_reward)
     out = tmp_path / "run"
     assert train.main(tiny_args(tiny_model_dir, out, "--steps", "1")) == 0
     assert train.main(tiny_args(tiny_model_dir, out, "--steps", "2", "--resume", "--m", "3")) == 2
@@ -87,7 +88,7 @@ def test_resume_takes_the_commands_learning_rate_and_says_it_changed(tiny_model_
     """A restored optimizer would keep the first run's --lr; the resumed run uses the command's (as the
     advice after non-finite updates says: lower --lr, then --resume), with the warm-up factor of its
     step, and warns. The same --lr again: the same value, and no warning."""
-    monkeypatch.setattr(train.rewards, "reward", length_reward)
+    monkeypatch.setattr(rewards, "reward", length_reward)
     out = tmp_path / "run"
     warmup = ["--warmup-ratio", "0.5"]  # a warm-up over 2 of 4 steps: factors 0.5, 1, 1, 1
     assert train.main(tiny_args(tiny_model_dir, out, "--steps", "4", *warmup, "--save-every-steps", "1")) == 0
@@ -112,7 +113,7 @@ def test_resume_takes_the_commands_learning_rate_and_says_it_changed(tiny_model_
 def test_resume_refuses_a_model_other_than_the_runs(tiny_model_dir, tmp_path, monkeypatch, capsys):
     """--model auto falls back to the embedded model where the hub is out of reach: a run resumed so would
     load an adapter that fits only its own model. It stops in one line naming the run's model."""
-    monkeypatch.setattr(train.rewards, "reward", length_reward)
+    monkeypatch.setattr(rewards, "reward", length_reward)
     out = tmp_path / "run"
     assert train.main(tiny_args(tiny_model_dir, out, "--steps", "1")) == 0
     saved = json.loads((out / "config.json").read_text())
@@ -129,7 +130,7 @@ def test_resume_on_a_cpu_of_the_other_kind_warns_that_the_precision_changes(tiny
     """A run started with the defaults on a CPU with bfloat16 arithmetic and resumed with the defaults on
     one without (an AVX2 laptop) continues in float32, and says so, naming the flags that keep the run's
     own precision; resumed with those flags, it says nothing."""
-    monkeypatch.setattr(train.rewards, "reward", length_reward)
+    monkeypatch.setattr(rewards, "reward", length_reward)
     out = tmp_path / "run"
     monkeypatch.setattr(models, "computes_bfloat16", lambda device: True)
     assert train.main(tiny_args(tiny_model_dir, out, "--steps", "1")) == 0
@@ -158,7 +159,7 @@ def test_default_command_on_a_cpu_takes_the_built_in_task_without_touching_the_n
 
     monkeypatch.setattr(socket, "create_connection", no_network)
     monkeypatch.setattr(socket.socket, "connect", no_network)
-    monkeypatch.setattr(train.rewards, "reward", length_reward)
+    monkeypatch.setattr(rewards, "reward", length_reward)
     out = tmp_path / "run"
     argv = ["--n", "32", "--m", "16", "--model", str(tiny_model_dir), "--steps", "1", "--max-new-tokens", "4",
             "--prompts-per-step", "1", "--lora-rank", "4", "--out-dir", str(out)]
@@ -212,7 +213,7 @@ def test_progress_bar_counts_minutes_under_a_time_budget_and_steps_otherwise(bud
 
 @pytest.mark.parametrize("signum", [signal.SIGINT, signal.SIGTERM])  # SIGTERM: what a cluster scheduler sends before its kill
 def test_ctrl_c_or_sigterm_finishes_the_step_saves_and_exits_130(tiny_model_dir, tmp_path, monkeypatch, signum):
-    monkeypatch.setattr(train.rewards, "reward", length_reward)
+    monkeypatch.setattr(rewards, "reward", length_reward)
     original = train.policy_update
 
     def interrupted_update(*args, **kwargs):
@@ -231,7 +232,7 @@ def test_ctrl_c_or_sigterm_finishes_the_step_saves_and_exits_130(tiny_model_dir,
 def test_ctrl_c_that_kills_the_generation_engine_saves_the_last_finished_step(tiny_model_dir, tmp_path, monkeypatch):
     """vLLM's engine process also gets the Ctrl-C and may die mid-generation: the run still saves
     a checkpoint of the last finished step, with the data position of that step."""
-    monkeypatch.setattr(train.rewards, "reward", length_reward)
+    monkeypatch.setattr(rewards, "reward", length_reward)
     original, calls = sampling.generate_and_score, []
 
     def engine_dies_on_step_2(*args):
@@ -313,7 +314,7 @@ def test_a_file_with_no_usable_rows_exits_2(tmp_path, capsys):
 
 
 def test_an_existing_run_is_not_overwritten_without_resume(tiny_model_dir, tmp_path, capsys, monkeypatch):
-    monkeypatch.setattr(train.rewards, "reward", length_reward)
+    monkeypatch.setattr(rewards, "reward", length_reward)
     out = tmp_path / "run"
     assert train.main(tiny_args(tiny_model_dir, out, "--steps", "1")) == 0
     assert train.main(tiny_args(tiny_model_dir, out, "--steps", "1")) == 2
@@ -381,7 +382,7 @@ def test_gpu_profile_dress_rehearsal_on_a_cpu_trains_saves_and_resumes(tiny_mode
     activation checkpointing through load_trainable_policy, no autocast, micro-batch 4, one prompt
     per step, LoRA r64 on all seven projections), only fewer steps and tokens; then --resume. With
     transformers 5.23 the checkpointing call once crashed this start-up."""
-    monkeypatch.setattr(train.rewards, "reward", length_reward)
+    monkeypatch.setattr(rewards, "reward", length_reward)
     original, seen = train.policy_update, []
 
     def spy(model, *args, **kwargs):
@@ -424,7 +425,7 @@ def test_activation_checkpointing_is_switched_on_by_the_name_this_transformers_h
 
 def test_resume_loads_the_training_state_onto_the_cpu_first(tiny_model_dir, tmp_path, monkeypatch):
     """Without map_location every torchrun rank would restore rank 0's GPU tensors onto GPU 0."""
-    monkeypatch.setattr(train.rewards, "reward", length_reward)
+    monkeypatch.setattr(rewards, "reward", length_reward)
     out = tmp_path / "run"
     assert train.main(tiny_args(tiny_model_dir, out, "--steps", "1")) == 0
     original, calls = torch.load, []
@@ -485,7 +486,7 @@ def test_a_time_budget_overshot_by_the_last_step_still_saves_and_a_resume_past_i
     total by more than half a minute (tqdm once dropped the total then, and the bar's format crashed
     the run before the checkpoint). The run must stop after the step that spends the budget, with its
     checkpoint; a resume with the same budget must start, see the budget spent and end without a new step."""
-    monkeypatch.setattr(train.rewards, "reward", length_reward)
+    monkeypatch.setattr(rewards, "reward", length_reward)
     add_seconds_to_each_step(monkeypatch, extra_s)
     out = tmp_path / "run"
     with caplog.at_level(logging.INFO, logger="pods"):
@@ -502,7 +503,7 @@ def test_a_time_budget_overshot_by_the_last_step_still_saves_and_a_resume_past_i
 def test_a_failing_progress_bar_or_metrics_write_does_not_cost_the_checkpoint(tiny_model_dir, tmp_path, monkeypatch, caplog):
     from tqdm import tqdm
 
-    monkeypatch.setattr(train.rewards, "reward", length_reward)
+    monkeypatch.setattr(rewards, "reward", length_reward)
 
     def broken(self, *args, **kwargs):
         raise RuntimeError("terminal gone")
@@ -518,7 +519,7 @@ def test_a_failing_progress_bar_or_metrics_write_does_not_cost_the_checkpoint(ti
 def test_every_training_flag_reaches_the_run(tiny_model_dir, tmp_path, monkeypatch):
     """Flags no other test drives through main: the optimizer's, LoRA alpha, the seed, warm-up, the
     gradient clip, the prompt-length filter and time-based saves (each step reported 61 s long)."""
-    monkeypatch.setattr(train.rewards, "reward", length_reward)
+    monkeypatch.setattr(rewards, "reward", length_reward)
     add_seconds_to_each_step(monkeypatch, 61.0)
     optimizers = []
     original = train.policy_update
@@ -585,7 +586,7 @@ def test_benchmark_counts_the_tokens_an_update_reads_with_the_prompt_per_rollout
 
 
 def test_resume_auto_starts_a_run_continues_it_and_refuses_a_run_of_other_settings(tiny_model_dir, tmp_path, monkeypatch, capsys):
-    monkeypatch.setattr(train.rewards, "reward", length_reward)
+    monkeypatch.setattr(rewards, "reward", length_reward)
     out = tmp_path / "run"
     assert train.main(tiny_args(tiny_model_dir, out, "--steps", "1", "--resume", "auto")) == 0  # nothing there: starts
     assert train.main(tiny_args(tiny_model_dir, out, "--steps", "2", "--resume", "auto")) == 0  # a checkpoint: continues
@@ -620,7 +621,7 @@ def nan_loss_on_steps(monkeypatch, steps: set[int]) -> None:
 def test_a_non_finite_update_is_skipped_leaving_weights_and_optimizer_state_and_the_run_goes_on(tiny_model_dir, tmp_path, monkeypatch, caplog):
     from safetensors.torch import load_file
 
-    monkeypatch.setattr(train.rewards, "reward", length_reward)
+    monkeypatch.setattr(rewards, "reward", length_reward)
     nan_loss_on_steps(monkeypatch, {2})
     out = tmp_path / "run"
     with caplog.at_level(logging.INFO, logger="pods"):
@@ -639,7 +640,7 @@ def test_a_non_finite_update_is_skipped_leaving_weights_and_optimizer_state_and_
 def test_non_finite_updates_in_a_row_stop_the_run_with_one_line_and_a_checkpoint_of_the_last_good_weights(tiny_model_dir, tmp_path, monkeypatch, capsys):
     from safetensors.torch import load_file
 
-    monkeypatch.setattr(train.rewards, "reward", length_reward)
+    monkeypatch.setattr(rewards, "reward", length_reward)
     nan_loss_on_steps(monkeypatch, {2, 3, 4, 5, 6})
     out = tmp_path / "run"
     assert train.main(tiny_args(tiny_model_dir, out, "--steps", "10", "--save-every-steps", "1", "--max-skipped-steps", "2")) == 1
@@ -651,7 +652,7 @@ def test_non_finite_updates_in_a_row_stop_the_run_with_one_line_and_a_checkpoint
 
 
 def test_a_disk_that_fills_during_a_checkpoint_leaves_the_previous_one_loadable(tiny_model_dir, tmp_path, monkeypatch, capsys):
-    monkeypatch.setattr(train.rewards, "reward", length_reward)
+    monkeypatch.setattr(rewards, "reward", length_reward)
     original, saves = torch.save, []
 
     def fills_on_the_second_checkpoint(obj, path, *args, **kwargs):
@@ -674,7 +675,7 @@ def test_a_disk_that_fills_during_a_checkpoint_leaves_the_previous_one_loadable(
 
 
 def test_an_incomplete_checkpoint_directory_is_left_out_and_resume_takes_the_last_complete_one(tiny_model_dir, tmp_path, monkeypatch, caplog):
-    monkeypatch.setattr(train.rewards, "reward", length_reward)
+    monkeypatch.setattr(rewards, "reward", length_reward)
     out = tmp_path / "run"
     assert train.main(tiny_args(tiny_model_dir, out, "--steps", "2", "--save-every-steps", "1")) == 0
     (out / "checkpoint-2" / "training_state.pt").unlink()  # damaged, or copied in part
@@ -687,7 +688,7 @@ def test_an_incomplete_checkpoint_directory_is_left_out_and_resume_takes_the_las
 
 
 def test_a_second_ctrl_c_quits_without_saving(tiny_model_dir, tmp_path, monkeypatch, capsys):
-    monkeypatch.setattr(train.rewards, "reward", length_reward)
+    monkeypatch.setattr(rewards, "reward", length_reward)
     original = train.policy_update
 
     def twice(*args, **kwargs):
@@ -705,7 +706,7 @@ def test_a_second_ctrl_c_quits_without_saving(tiny_model_dir, tmp_path, monkeypa
 def test_ctrl_c_before_step_1_finishes_saves_checkpoint_0_which_resumes(tiny_model_dir, tmp_path, monkeypatch):
     """The engine dies in step 1's generation after a Ctrl-C: nothing was trained, and the saved state
     is the start (so a resume repeats step 1 with the same prompts)."""
-    monkeypatch.setattr(train.rewards, "reward", length_reward)
+    monkeypatch.setattr(rewards, "reward", length_reward)
 
     def engine_dies(*args):
         os.kill(os.getpid(), signal.SIGINT)
@@ -717,13 +718,13 @@ def test_ctrl_c_before_step_1_finishes_saves_checkpoint_0_which_resumes(tiny_mod
     assert [p.name for p in checkpoint.find(out)] == ["checkpoint-0"]
     assert json.loads((out / "checkpoint-0" / "trainer_state.json").read_text())["data_position"] == 0
     monkeypatch.undo()
-    monkeypatch.setattr(train.rewards, "reward", length_reward)
+    monkeypatch.setattr(rewards, "reward", length_reward)
     assert train.main(tiny_args(tiny_model_dir, out, "--steps", "2", "--resume")) == 0
     assert [r["step"] for r in read_metrics(out)] == [1, 2]
 
 
 def test_ctrl_c_during_a_save_lets_the_save_finish_then_stops(tiny_model_dir, tmp_path, monkeypatch):
-    monkeypatch.setattr(train.rewards, "reward", length_reward)
+    monkeypatch.setattr(rewards, "reward", length_reward)
     original = checkpoint.save
 
     def interrupted_save(*args, **kwargs):
@@ -737,7 +738,7 @@ def test_ctrl_c_during_a_save_lets_the_save_finish_then_stops(tiny_model_dir, tm
 
 
 def test_out_of_memory_in_the_update_ends_with_one_line_and_the_last_checkpoint_resumes(tiny_model_dir, tmp_path, monkeypatch, capsys):
-    monkeypatch.setattr(train.rewards, "reward", length_reward)
+    monkeypatch.setattr(rewards, "reward", length_reward)
     original, calls = train.policy_update, []
 
     def oom_in_step_2(*args, **kwargs):
@@ -786,7 +787,7 @@ def scripted_rewards(monkeypatch, *groups: list[float]) -> None:
     """rewards.reward gives these groups of n rewards, one after the other and over again (it is called rollout by
     rollout, group after group): which groups are uniform is fixed, whatever the tiny model writes."""
     cycle = itertools.cycle([r for group in groups for r in group])
-    monkeypatch.setattr(train.rewards, "reward", lambda completion, answer: next(cycle))
+    monkeypatch.setattr(rewards, "reward", lambda completion, answer: next(cycle))
 
 
 def spy_on_updates(monkeypatch) -> list[dict]:
@@ -882,7 +883,7 @@ def test_refill_resumed_at_step_2_ends_as_an_uninterrupted_run(tiny_model_dir, t
     --resume to 3 equals 3 steps, row for row (but the seconds), in data position and adapter; step 3 refills."""
     from safetensors.torch import load_file
 
-    monkeypatch.setattr(train.rewards, "reward", lambda completion, answer: float(len(completion) % 2))
+    monkeypatch.setattr(rewards, "reward", lambda completion, answer: float(len(completion) % 2))
     flags = ("--rule", "random", "--uniform-groups", "refill", "--max-refill-rounds", "2")
     straight, resumed = tmp_path / "straight", tmp_path / "resumed"
     assert train.main(tiny_args(tiny_model_dir, straight, "--steps", "3", *flags)) == 0

@@ -16,6 +16,7 @@ import torch
 
 import checkpoint
 import model as models
+import rewards
 import sampling
 import train
 import update
@@ -155,7 +156,7 @@ def test_vllm_refill_draws_a_second_round_for_the_uniform_group_and_trains_on_th
     uniform group, so a second round is drawn and its informative group fills the step; 2 steps draw 8 prompts."""
     needs_vllms_cpu_build()
     cycle = itertools.cycle([1.0, 1.0, 1.0, 1.0, 0.0, 1.0, 0.0, 2.0])  # n=4 rewards: a uniform group, then an informative one
-    monkeypatch.setattr(train.rewards, "reward", lambda completion, answer: next(cycle))
+    monkeypatch.setattr(rewards, "reward", lambda completion, answer: next(cycle))
     out = tmp_path / "run"
     argv = tiny_args(head64_model(embedded_dir, tmp_path), out, "--backend", "vllm", "--steps", "2", "--max-prompt-tokens", "200",
                      "--uniform-groups", "refill")

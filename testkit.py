@@ -80,8 +80,8 @@ def torchrun(nproc: int, *train_argv: str, script: str = "train.py", wait: bool 
 def length_reward_script(tmp_path: Path) -> str:
     """train.py with length_reward, so that a tiny random model's updates move its adapter."""
     script = tmp_path / "train_with_length_reward.py"
-    script.write_text(f"import sys\nsys.path.insert(0, {str(Path(__file__).parent)!r})\nimport train\n"
-                      "train.rewards.reward = lambda completion, answer: float(len(completion) % 3)\n"
+    script.write_text(f"import sys\nsys.path.insert(0, {str(Path(__file__).parent)!r})\nimport rewards, train\n"
+                      "rewards.reward = lambda completion, answer: float(len(completion) % 3)\n"
                       "sys.exit(train.main())\n")
     return str(script)
 

@@ -48,7 +48,6 @@ import distributed
 import grpo
 import pods
 import progress
-import rewards
 import sampling
 import vllm_sampler
 from model import GPU_MODEL, SetupError, load_trainable_policy, pick_model, resolve_model_path

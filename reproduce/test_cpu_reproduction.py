@@ -18,6 +18,7 @@ import take_turns
 import torch
 
 import checkpoint
+import rewards
 import train
 from testkit import length_reward, read_metrics, timed_run, tiny_args, write_constructed_run
 
@@ -187,7 +188,7 @@ def test_replay_rebuilds_a_recorded_runs_checkpoints_bit_for_bit(tiny_model_dir,
     trainer_state carries the record's clock; a record it cannot match stops it at that step."""
     from safetensors.torch import load_file
 
-    monkeypatch.setattr(train.rewards, "reward", length_reward)
+    monkeypatch.setattr(rewards, "reward", length_reward)
     trained = tmp_path / "trained"
     assert train.main(tiny_args(tiny_model_dir, trained, "--steps", "5", "--save-every-steps", "2")) == 0
     kept = tmp_path / "kept"  # what git keeps of a run: its config and metrics
