@@ -101,7 +101,7 @@ class HFSampler:
     each distinct prompt once, copy its KV cache to its n rows, then decode one token per row per
     step until every row has stopped.
 
-    Three measured speed mechanisms, each a small function below (docs/speed.md has the figures):
+    Four measured speed mechanisms, each a small function or class below (docs/speed.md has the figures):
     - `merged_copy` (with `merged=True`): decode with a copy of the policy whose LoRA is merged
       into its weights, in `merged_dtype`, refreshed by `update_weights` after every update (how
       vLLM serves a LoRA on a GPU). Without it every forward runs peft's ~210 extra adapter
@@ -109,6 +109,8 @@ class HFSampler:
     - `sample_tokens`: inverse-transform sampling, one random number per row instead of one per
       vocabulary entry.
     - `reserve_cache`: the KV cache written in place, not grown by concatenation at every token.
+    - `CudaGraphDecode` (on a GPU, with `cuda_graph=True`): each decode step replayed as one CUDA graph
+      instead of ~15 kernel launches per layer from Python.
     A bfloat16 copy's rounding makes the sampled distribution differ slightly from the one the update
     scores (a float32 copy's by float32 rounding only); the log-probabilities each rollout carries
     let update.policy_update measure that gap every step (`sampler_gap_mean`, `sampler_gap_max`). `merged=False`
@@ -120,9 +122,9 @@ class HFSampler:
 
     def __init__(self, model, tokenizer, max_new_tokens: int, temperature: float, batch_size: int = 64,
                  autocast_bf16: bool = False, share_prompt: bool = True, merged: bool = False,
-                 merged_dtype: torch.dtype = torch.bfloat16):
+                 merged_dtype: torch.dtype = torch.bfloat16, cuda_graph: bool = True):
         self.tokenizer, self.max_new_tokens, self.temperature = tokenizer, max_new_tokens, temperature
-        self.batch_size, self.share_prompt = batch_size, share_prompt
+        self.batch_size, self.share_prompt, self.cuda_graph = batch_size, share_prompt, cuda_graph
         self.model = merged_copy(model, merged_dtype) if merged else model
         self.merged, self.merged_dtype = merged, merged_dtype
         self.autocast_bf16 = autocast_bf16 and not merged  # the copy computes in its own dtype
@@ -169,9 +171,11 @@ class HFSampler:
                              use_cache=True, logits_to_keep=last_positions(1, width, device))  # prefill: the cache of every prompt token
             cache, logits = getattr(out, kv_cache_name()), out.logits[:, -1].repeat_interleave(n // copies, dim=0)
             cache.batch_repeat_interleave(n // copies)  # each prompt's cache copied to its n rows
-            reserve_cache(cache, self.max_new_tokens)  # each decode step writes in place (no growing by concatenation)
+            reserved = reserve_cache(cache, self.max_new_tokens)  # each decode step writes in place (no growing by concatenation)
             position = mask.sum(1).repeat_interleave(n // copies)
             mask = torch.cat([mask.repeat_interleave(n // copies, dim=0), mask.new_ones(len(position), self.max_new_tokens)], dim=1)
+            graph = self.cuda_graph and reserved and device.type == "cuda"
+            decode = (CudaGraphDecode if graph else EagerDecode)(self.model, cache, mask, position, width)
             tokens, logprobs = [], []
             stopped = torch.zeros(len(mask), dtype=torch.bool, device=device)
             for step in range(self.max_new_tokens):  # decode: one token per row
@@ -182,8 +186,7 @@ class HFSampler:
                 stopped |= torch.isin(token, stops)
                 if step == self.max_new_tokens - 1 or bool(stopped.all()):
                     break
-                logits = self.model(input_ids=token[:, None], attention_mask=mask[:, : width + step + 1], position_ids=(position + step)[:, None],
-                                    **{kv_cache_name(): cache}, use_cache=True).logits[:, -1]
+                logits = decode(token)
         result = []
         rows, row_logprobs = torch.stack(tokens, 1).tolist(), torch.stack(logprobs, 1).tolist()
         for prompt, row, row_logprob in zip([p for p in prompts for _ in range(n)], rows, row_logprobs):
@@ -202,7 +205,7 @@ def kv_cache_name() -> str:
     return "cache" if "cache" in CausalLMOutputWithPast.__dataclass_fields__ else "past_key_values"
 
 
-def reserve_cache(cache, tokens: int) -> None:
+def reserve_cache(cache, tokens: int) -> bool:
     """Room for `tokens` more positions in every layer of a filled transformers DynamicCache, written in
     place by each decode step. DynamicLayer.update grows keys and values by concatenation, so every
     step copied every layer's whole cache (`cat` was 15% of a generation step on a 2-core CPU,
@@ -219,11 +222,12 @@ def reserve_cache(cache, tokens: int) -> None:
         filled = layer.keys.shape[-2]
         layer.room = []
         for current in (layer.keys, layer.values):
-            room = current.new_empty(*current.shape[:2], filled + tokens, current.shape[-1])
+            room = current.new_zeros(*current.shape[:2], filled + tokens, current.shape[-1])  # zeros: CudaGraphDecode reads them
             room[:, :, :filled] = current
             layer.room.append(room)
         layer.keys, layer.values = (room[:, :, :filled] for room in layer.room)
         layer.update = functools.partial(write_in_place, layer)  # instead of DynamicLayer.update, for this layer
+    return True
 
 
 def write_in_place(layer, key_states: torch.Tensor, value_states: torch.Tensor, *args, **kwargs):
@@ -233,6 +237,86 @@ def write_in_place(layer, key_states: torch.Tensor, value_states: torch.Tensor, 
         room[:, :, start:end] = new
     layer.keys, layer.values = (room[:, :, :end] for room in layer.room)
     return layer.keys, layer.values
+
+
+class EagerDecode:
+    """A decode step as a plain forward: the new tokens (one per row) attend to the filled part of the cache.
+    `mask` is the rows' attention mask over the prompt (`width` columns, left-padded) and the completion;
+    `position` the position of each row's first new token."""
+
+    def __init__(self, model, cache, mask: torch.Tensor, position: torch.Tensor, width: int):
+        self.model, self.cache, self.mask, self.position, self.filled = model, cache, mask, position[:, None], width
+
+    def __call__(self, token: torch.Tensor) -> torch.Tensor:
+        """The logits that follow `token`, a row's next token for every row."""
+        self.filled += 1
+        logits = self.model(input_ids=token[:, None], attention_mask=self.mask[:, : self.filled], position_ids=self.position,
+                            **{kv_cache_name(): self.cache}, use_cache=True).logits[:, -1]
+        self.position = self.position + 1
+        return logits
+
+
+class CudaGraphDecode:
+    """A decode step captured once as a CUDA graph and replayed for every token: the same forward as EagerDecode,
+    without its launches. At 32 rows a decode step of a 3B model reads ~6 GB of weights (~2 ms on an H100), but
+    eagerly it launches some 15 small kernels per layer from Python, and the launches set its pace (26-33 ms a
+    step on an H200, docs/gpu.md). A graph replays all of them at once; in exchange every tensor it touches
+    must keep its address and shape from one step to the next. So the step reads its inputs from fixed tensors
+    (`token`, `position`, `column`), each layer writes its new key and value at `column` of the buffers that
+    reserve_cache made (`write_at_column`), and attention runs over every reserved position with a 4D mask that
+    hides those not yet written (transformers takes a 4D mask as it is). Sampling stays outside the graph, so the
+    tokens still come from torch's generator and a resumed run replays them. `capture=False` runs the same
+    static step eagerly (how a CPU test checks it), as does a model whose forward cannot be captured."""
+
+    def __init__(self, model, cache, mask: torch.Tensor, position: torch.Tensor, width: int, capture: bool = True):
+        self.model, self.cache = model, cache
+        room = cache.layers[0].room[0]
+        self.token, self.position = position.new_zeros(len(position), 1), position[:, None].clone()
+        self.column = position.new_full((1,), width)  # where the step writes its keys and values
+        self.bias = torch.zeros(len(position), 1, 1, room.shape[-2], dtype=room.dtype, device=room.device)  # added to attention's scores
+        self.bias[:, 0, 0, :width].masked_fill_(mask[:, :width] == 0, torch.finfo(room.dtype).min)  # the left padding
+        self.bias[:, 0, 0, width:] = torch.finfo(room.dtype).min  # the completion, until written
+        for layer in cache.layers:
+            layer.update = functools.partial(write_at_column, layer, self.column)
+        self.graph = None
+        if capture:
+            side = torch.cuda.Stream()  # a first forward off the graph: cuBLAS's and the allocator's setup are not captured
+            side.wait_stream(torch.cuda.current_stream())
+            with torch.cuda.stream(side):
+                self.forward()  # writes column `width`, which the first step writes again
+            torch.cuda.current_stream().wait_stream(side)
+            try:
+                graph = torch.cuda.CUDAGraph()
+                with torch.cuda.graph(graph):
+                    self.logits = self.forward()
+                self.graph = graph
+            except RuntimeError as err:  # a model whose forward cannot be captured (it reads a GPU value on the host, say)
+                log.warning("decoding without a CUDA graph: capturing the decode step failed (%s)", str(err).splitlines()[0])
+
+    def forward(self) -> torch.Tensor:
+        return self.model(input_ids=self.token, attention_mask=self.bias, position_ids=self.position,
+                          **{kv_cache_name(): self.cache}, use_cache=True).logits[:, -1]
+
+    def __call__(self, token: torch.Tensor) -> torch.Tensor:
+        """The logits that follow `token`; replayed, they are the same tensor every step (read them before the next)."""
+        self.token.copy_(token[:, None])
+        self.bias.index_fill_(3, self.column, 0.0)  # the token attends to itself and everything before it
+        if self.graph is None:
+            logits = self.forward()
+        else:
+            self.graph.replay()
+            logits = self.logits
+        self.position += 1
+        self.column += 1
+        return logits
+
+
+def write_at_column(layer, column: torch.Tensor, key_states: torch.Tensor, value_states: torch.Tensor, *args, **kwargs):
+    """A reserved layer's update in a captured step: the new key and value written at `column` (a tensor, read when
+    the graph replays), and the whole of each buffer returned, its unwritten positions masked by the caller."""
+    for room, new in zip(layer.room, (key_states, value_states)):
+        room.index_copy_(2, column, new)
+    return layer.room[0], layer.room[1]
 
 
 def last_positions(count: int, length: int, device) -> torch.Tensor:

@@ -75,6 +75,25 @@ def test_cuda_merged_bfloat16_sampler_matches_the_update_within_bfloat16_roundin
     assert 0 < stats["sampler_gap_mean"] < 0.005 and stats["sampler_gap_max"] < 0.05
 
 
+
+@on_cuda
+def test_cuda_graph_decode_replays_the_static_step_exactly(tiny_model_dir, monkeypatch):
+    """The GPU profile's decode (CudaGraphDecode, the step captured once and replayed) against the same static
+    step run eagerly: the same kernels, so the same tokens and log-probabilities to the bit; and the sampler
+    on CUDA does capture it."""
+    model, tokenizer = checkpointed_lora_policy(tiny_model_dir, True, "cuda", torch.bfloat16)
+    decoders, results = [], []
+    for capture in (True, False):
+        def decoder(*args, capture=capture):
+            decoders.append(sampling.CudaGraphDecode(*args, capture=capture))
+            return decoders[-1]
+        monkeypatch.setattr(sampling, "CudaGraphDecode", decoder)
+        sampler = sampling.HFSampler(model, tokenizer, max_new_tokens=16, temperature=0.9, merged=True)
+        torch.manual_seed(0)
+        results.append([(r.completion_ids, r.logprobs) for group in sampler.generate([[5, 6, 7, 8], [9, 10]], 4) for r in group])
+    assert decoders[0].graph is not None and decoders[1].graph is None
+    assert results[0] == results[1] and len({tuple(ids) for ids, _ in results[0]}) > 2
+
 @on_cuda
 def test_cuda_gpu_profile_trains_resumes_exactly_and_evaluates(tiny_model_dir, tmp_path, monkeypatch):
     """train.py with nothing but the GPU profile's own defaults (the run a GPU user starts), on the tiny

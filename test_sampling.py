@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 import re
 from pathlib import Path
 
@@ -58,6 +59,27 @@ def test_a_reserved_cache_generates_what_a_growing_one_does(tiny_model_dir, monk
     assert [logprobs for _, logprobs in reserved] == [logprobs for _, logprobs in growing]
     assert len({tuple(ids) for ids, _ in reserved}) > 2
 
+
+
+@pytest.mark.parametrize("merged", [False, True])
+def test_the_cuda_graphs_static_decode_step_generates_what_the_eager_one_does(tiny_model_dir, monkeypatch, merged):
+    """CudaGraphDecode's step run eagerly (capture=False: a CPU has no CUDA graphs): keys and values written at a
+    column of the reserved cache, attention over all of it under a 4D mask, the same tokens and log-probabilities
+    as EagerDecode's growing view, with left padding (prompts of different lengths). In float32: in bfloat16 the longer
+    sums round differently and an adjacent token is sometimes drawn (the GPU check measures that gap). test_cuda
+    captures the step as a graph."""
+    model, tokenizer = lora_policy(tiny_model_dir)
+    prompts = [[5, 6, 7, 8, 9, 10, 11], [12, 13, 14]]
+    results = []
+    for decode in (sampling.EagerDecode, functools.partial(sampling.CudaGraphDecode, capture=False)):
+        monkeypatch.setattr(sampling, "EagerDecode", decode)
+        sampler = sampling.HFSampler(model, tokenizer, max_new_tokens=12, temperature=0.9, merged=merged, merged_dtype=torch.float32)
+        torch.manual_seed(0)
+        results.append([(r.completion_ids, r.logprobs) for group in sampler.generate(prompts, 4) for r in group])
+    (eager, static) = results
+    assert [ids for ids, _ in static] == [ids for ids, _ in eager]
+    assert torch.allclose(torch.tensor([lp for _, lps in static for lp in lps]), torch.tensor([lp for _, lps in eager for lp in lps]), atol=1e-5)
+    assert len({tuple(ids) for ids, _ in static}) > 2
 
 def test_sample_tokens_draws_from_the_tempered_distribution_and_returns_its_log_probability():
     logits = torch.tensor([[2.0, 1.0, -1e9, 0.0, -1e9]]).repeat(20_000, 1)  # two tokens impossible

@@ -108,6 +108,7 @@ class Args:
     gen_batch: int = arg(64, "hf backend: sequences per generate call (rounded down to whole groups of n, one group at least)")
     share_prompt: bool | None = arg(None, "compute each prompt once per group, in hf generation and in the update (exact) [GPU off, CPU on]")
     merged_sampler: bool | None = arg(None, "hf backend: generate with a copy of the policy, its LoRA merged in after every update [on]")
+    cuda_graph: bool = arg(True, "hf backend on a GPU: replay each decode step as one CUDA graph (--no-cuda-graph: launch its kernels one by one)")
 
 
 # ----------------------------------------------------------------------------- Algorithm 1
@@ -353,7 +354,7 @@ def make_sampler(args: Args, model, tokenizer, model_name: str, device: str, wor
         )
     return sampling.HFSampler(model, tokenizer, args.max_new_tokens, args.temperature, args.gen_batch,
                               autocast_bf16=args.bf16_autocast, share_prompt=args.share_prompt, merged=args.merged_sampler,
-                              merged_dtype=config.merged_dtype(args))
+                              merged_dtype=config.merged_dtype(args), cuda_graph=args.cuda_graph)
 
 
 class TrainingError(RuntimeError):

@@ -6,6 +6,7 @@
 #   TOKENS=128 bash reproduce/gpu/check.sh pods trl  # the stages named, at 128 new tokens: a quick look
 # Stages, run in this order (name some to run only those):
 #   tests  python -m pytest -m cuda: the CUDA tests
+#   decode the transformers sampler's decode step, ms at 32 rows: CUDA graph, eager and .gpu/old's (decode_bench.py)
 #   pods   train.py --backend hf --n 32 --m 16 (PODS, the default command's GPU profile): 3 steps, 2-3 timed
 #   old    the same in .gpu/old, an older commit's tree (prepare.sh with OLD=COMMIT): a regression's baseline
 #   trl    TRL's GRPOTrainer, GRPO n=32, on the same model and configuration (trl_gpu.py)
@@ -19,8 +20,8 @@
 # (each stage's log and metrics); WORK (default /tmp/pods-gpu-check) holds the models, runs and logs.
 set -u
 cd "$(dirname "$0")/../.." || exit 1
-ORDER=(tests pods old trl grpo vllm)
-declare -A SHARE=([tests]=25 [pods]=23 [old]=23 [trl]=40 [grpo]=23 [vllm]=38)  # % of BUDGET a stage may take, at most
+ORDER=(tests decode pods old trl grpo vllm)
+declare -A SHARE=([tests]=25 [decode]=15 [pods]=23 [old]=23 [trl]=40 [grpo]=23 [vllm]=38)  # % of BUDGET a stage may take, at most
 for stage in "$@"; do
   [[ " ${ORDER[*]} " == *" $stage "* ]] || { echo "check.sh: unknown stage '$stage'; choose from: ${ORDER[*]}" >&2; exit 2; }
 done
@@ -99,6 +100,9 @@ train() {  # train STAGE DIR FLAGS...: train.py of the checkout in DIR for 3 ste
 for stage in "${stages[@]}"; do
   case $stage in
     tests) run_stage tests python3 -m pytest -q -rfEs -m cuda -s -p no:cacheprovider ;;
+    decode) model_ready || { skip decode "no model to time (models.log)"; continue; }
+           old_tree=(); [[ -d .gpu/old ]] && old_tree=(--old .gpu/old)
+           run_stage decode python3 "$HERE/decode_bench.py" --model "$model_dir" --tokens "$TOKENS" "${old_tree[@]}" ;;
     pods)  train pods . --backend hf --n 32 --m 16 ;;
     old)   if [[ -d .gpu/old ]]; then train old .gpu/old --backend hf --n 32 --m 16
            else skip old "no .gpu/old: run prepare.sh with OLD=COMMIT first"; fi ;;

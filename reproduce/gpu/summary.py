@@ -62,6 +62,12 @@ def step_means(rows: list[dict], steps=TIMED_STEPS) -> dict[str, float]:
     return means | {"steps": [row["step"] for row in timed]}
 
 
+def ms_per_token(means: dict) -> float | None:
+    """Generation's milliseconds per token of the mean completion: a decode step's, where every rollout runs to
+    the token limit (random weights), its prefill and scoring included."""
+    return 1000 * means["generation_s"] / means["completion_len"] if means.get("completion_len") and "generation_s" in means else None
+
+
 def peak(log_text: str) -> tuple[float, float] | None:
     """(allocated, reserved) GiB from the last peak line of a stage's log."""
     found = PEAK.findall(log_text)
@@ -91,7 +97,10 @@ def summary(logs: Path) -> str:
     if "tests" in status:
         out.append(f"tests (pytest -m cuda): {status_text(*status['tests'])}")
         out += [f"  {line}" for line in outcome_lines(read(logs / "tests.log"))]
-    lines = [["stage", "what", "steps", "generation s", "update s", "step s", "peak GiB alloc/reserved",
+    if "decode" in status:
+        out.append(f"decode step (decode_bench.py): {status_text(*status['decode'])}")
+        out += [f"  {line}" for line in read(logs / "decode.log").splitlines() if line.startswith(("decode:", "kernels", "  "))]
+    lines = [["stage", "what", "steps", "generation s", "ms/token", "update s", "step s", "peak GiB alloc/reserved",
               "completion len", "sampler gap", "status"]]
     step_s, failures = {}, []
     for stage, what in ROWS.items():
@@ -105,7 +114,8 @@ def summary(logs: Path) -> str:
         if status[stage][0] not in ("0", "skipped", *TIMED_OUT):
             failures.append(f"{stage} failed: {(log.strip().splitlines() or ['(no output)'])[-1][:200]}")
         lines.append([stage, what.format(old=env.get("old", "OLD")), "-".join(map(str, means["steps"])) or "-",
-                      cell(means.get("generation_s"), 1), cell(means.get("update_s"), 1), cell(means.get("step_s"), 1),
+                      cell(means.get("generation_s"), 1), cell(ms_per_token(means), 1),
+                      cell(means.get("update_s"), 1), cell(means.get("step_s"), 1),
                       "-" if memory is None else f"{memory[0]:.2f} / {memory[1]:.2f}",
                       cell(means.get("completion_len"), 0), cell(means.get("sampler_gap_mean"), 4),
                       status_text(*status[stage])])

@@ -34,7 +34,9 @@ def logs(tmp_path) -> Path:
         "....F.s\nFAILED test_cuda.py::test_cuda_torchrun - AssertionError: no one-line refusal\n"
         "SKIPPED [1] test_cuda.py:122: could not import 'vllm'\n"
         "1 failed, 5 passed, 1 skipped, 420 deselected in 95.31s (0:01:35)\n")
-    (tmp_path / "status.txt").write_text("tests\t1\t97\npods\t0\t104\nold\t0\t150\ntrl\t124\t190\ngrpo\t0\t112\n"
+    (tmp_path / "decode.log").write_text("Loading weights...\ndecode: graph             6.10 ms/step  (0.78 s)\n"
+                                         "decode: graph / eager 0.21\n")
+    (tmp_path / "status.txt").write_text("tests\t1\t97\ndecode\t0\t41\npods\t0\t104\nold\t0\t150\ntrl\t124\t190\ngrpo\t0\t112\n"
                                          "vllm\tskipped\tvLLM does not import here\n")
     write_stage(tmp_path, "pods", [(48.0, 3.5), (15.0, 2.0), (16.0, 2.2)], "train.main exit 0 after 99 s; "
                 "CUDA peak allocated 14.27 GiB, reserved 15.21 GiB", completion_len=512.0, sampler_gap_mean=0.027)
@@ -49,10 +51,10 @@ def test_summary_times_steps_2_and_3_only_and_divides_step_times_by_trls(logs):
     text = summary.summary(logs)
     columns = [re.split(r"\s{2,}", line) for line in text.splitlines()]
     rows = {line[0]: line[1:] for line in columns if line[0] in summary.ROWS}  # what, steps, generation s, update s, ...
-    assert rows["pods"] == ["PODS, train.py --backend hf", "2-3", "15.5", "2.1", "17.6", "14.27 / 15.21", "512", "0.0270",
+    assert rows["pods"] == ["PODS, train.py --backend hf", "2-3", "15.5", "30.3", "2.1", "17.6", "14.27 / 15.21", "512", "0.0270",
                             "ok, 104 s"]  # step 1's 51.5 s left out
     assert rows["old"][:2] == ["PODS, train.py at 5af2948", "2-3"]
-    assert rows["trl"] == ["GRPO, TRL GRPOTrainer", "2", "50.0", "4.0", "54.0", "-", "512", "-", "timed out at 190 s"]
+    assert rows["trl"] == ["GRPO, TRL GRPOTrainer", "2", "50.0", "97.7", "4.0", "54.0", "-", "512", "-", "timed out at 190 s"]
     assert rows["vllm"][-1] == "skipped: vLLM does not import here"
     assert "step time ratios: pods / trl 0.33, grpo / trl 0.37, pods / grpo 0.88, pods / old 0.37" in text.splitlines()
 
@@ -65,6 +67,8 @@ def test_summary_header_names_card_date_commit_versions_model_and_the_tests_coun
     assert "tests (pytest -m cuda): failed (exit 1) after 97 s" in lines
     assert "  1 failed, 5 passed, 1 skipped, 420 deselected in 95.31s (0:01:35)" in lines
     assert "  FAILED test_cuda.py::test_cuda_torchrun - AssertionError: no one-line refusal" in lines
+    assert "decode step (decode_bench.py): ok, 41 s" in lines
+    assert "  decode: graph             6.10 ms/step  (0.78 s)" in lines and "  decode: graph / eager 0.21" in lines
 
 
 @pytest.mark.pure
@@ -84,5 +88,5 @@ def test_check_sh_refuses_an_unknown_stage_in_one_line_before_doing_anything(tmp
     result = subprocess.run(["bash", str(HERE / "check.sh"), "pods", "tset"], capture_output=True, text=True,
                             env={"PATH": "/usr/bin:/bin", "OUT": str(tmp_path / "out")})
     assert result.returncode == 2 and result.stdout == ""
-    assert result.stderr == "check.sh: unknown stage 'tset'; choose from: tests pods old trl grpo vllm\n"
+    assert result.stderr == "check.sh: unknown stage 'tset'; choose from: tests decode pods old trl grpo vllm\n"
     assert not (tmp_path / "out").exists()

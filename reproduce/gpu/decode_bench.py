@@ -1,0 +1,100 @@
+"""The transformers sampler's decode step, timed on a GPU: milliseconds per decode step at the GPU profile's
+32 rows, for the CUDA-graph step (the default), the eager step (--no-cuda-graph) and an older commit's sampler
+(.gpu/old, prepare.sh with OLD=COMMIT), on one model loaded once, back to back; then the eager steps' busiest
+CUDA kernels (torch.profiler), which name the attention kernel that runs. check.sh's `decode` stage:
+    python3 reproduce/gpu/decode_bench.py --model DIR [--old .gpu/old] [--tokens 128] [--rows 32]
+Each variant generates once at 16 tokens (CUDA's first calls), then `--tokens` tokens per row, timed; random
+weights never stop early, so every step decodes every row and ms/step = seconds / tokens (the prefill included).
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib.util
+import os
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, os.getcwd())
+import sampling  # noqa: E402 - the checkout's, from the repository root
+from model import load_policy  # noqa: E402
+
+
+def old_sampling(tree: Path):
+    """The older commit's sampling.py, as a module of its own (its other imports are the checkout's)."""
+    spec = importlib.util.spec_from_file_location("old_sampling", tree / "sampling.py")
+    module = sys.modules[spec.name] = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def synchronize() -> None:
+    if torch.cuda.is_available():
+        torch.cuda.synchronize()
+
+
+def timed(sampler, prompt: list[int], rows: int, tokens: int) -> float:
+    """Seconds for one generate call of `rows` rollouts of `tokens` tokens (after one of 16: CUDA's first calls)."""
+    sampler.max_new_tokens = 16
+    sampler.generate([prompt], rows)
+    sampler.max_new_tokens = tokens
+    synchronize()
+    start = time.perf_counter()
+    (group,) = sampler.generate([prompt], rows)
+    synchronize()
+    seconds = time.perf_counter() - start
+    if any(len(r.completion_ids) < tokens for r in group):
+        print(f"note: some rows stopped before {tokens} tokens: ms/step overstates the step")
+    return seconds
+
+
+def busiest_kernels(sampler, prompt: list[int], rows: int, top: int = 8) -> list[str]:
+    """The CUDA kernels that took the most time over a generation of 8 tokens, with their share."""
+    from torch.profiler import ProfilerActivity, profile
+
+    sampler.max_new_tokens = 8
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        sampler.generate([prompt], rows)
+        torch.cuda.synchronize()
+    events = [e for e in prof.key_averages() if e.device_type.name == "CUDA"]
+    total = sum(e.self_device_time_total for e in events) or 1
+    events.sort(key=lambda e: -e.self_device_time_total)
+    return [f"{100 * e.self_device_time_total / total:5.1f}%  {e.count:5d} calls  {e.key[:110]}" for e in events[:top]]
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--model", required=True)
+    parser.add_argument("--old", default=None, help="an older commit's tree (its sampling.py is timed too)")
+    parser.add_argument("--tokens", type=int, default=128)
+    parser.add_argument("--rows", type=int, default=32)
+    args = parser.parse_args()
+    device = "cuda" if torch.cuda.is_available() else "cpu"  # a CPU only to try the script
+    model, tokenizer = load_policy(args.model, device, torch.bfloat16 if device == "cuda" else torch.float32)
+    model.requires_grad_(False).eval()
+    prompt = sampling.build_prompt(tokenizer, "Natalia sold clips to 48 of her friends in April, and then she sold half "
+                                              "as many clips in May. How many clips did Natalia sell altogether?")
+    variants = {"graph": sampling.HFSampler(model, tokenizer, 16, 0.9, share_prompt=False, cuda_graph=True),
+                "eager": sampling.HFSampler(model, tokenizer, 16, 0.9, share_prompt=False, cuda_graph=False)}
+    if args.old and Path(args.old, "sampling.py").exists():
+        commit = Path(args.old, "commit").read_text().strip() if Path(args.old, "commit").exists() else "old"
+        variants[f"old {commit}"] = old_sampling(Path(args.old)).HFSampler(model, tokenizer, 16, 0.9, share_prompt=False)
+    print(f"decode: {args.rows} rows, {len(prompt)} prompt tokens, {args.tokens} new tokens, {model.dtype}, "
+          f"{torch.cuda.get_device_name() if device == 'cuda' else 'CPU'}, torch {torch.__version__}")
+    seconds = {}
+    for name, sampler in variants.items():
+        seconds[name] = timed(sampler, prompt, args.rows, args.tokens)
+        print(f"decode: {name:14s} {1000 * seconds[name] / args.tokens:7.2f} ms/step  ({seconds[name]:.2f} s), "
+              f"CUDA peak allocated {torch.cuda.max_memory_allocated() / 2**30 if device == 'cuda' else 0:.2f} GiB so far", flush=True)
+    for name in ("graph", "eager"):
+        print(f"decode: {name} / {', '.join(f'{other} {seconds[name] / seconds[other]:.2f}' for other in seconds if other != name)}")
+    for name, sampler in variants.items():
+        if name != "graph" and device == "cuda":
+            print(f"kernels, {name}:", *busiest_kernels(sampler, prompt, args.rows), sep="\n  ", flush=True)
+
+
+if __name__ == "__main__":
+    main()
