@@ -82,10 +82,10 @@ def test_cuda_graph_decode_replays_the_static_step_exactly(tiny_model_dir, monke
     step run eagerly: the same kernels, so the same tokens and log-probabilities to the bit; and the sampler
     on CUDA does capture it."""
     model, tokenizer = checkpointed_lora_policy(tiny_model_dir, True, "cuda", torch.bfloat16)
-    decoders, results = [], []
+    decoders, results, graph_decode = [], [], sampling.CudaGraphDecode
     for capture in (True, False):
         def decoder(*args, capture=capture):
-            decoders.append(sampling.CudaGraphDecode(*args, capture=capture))
+            decoders.append(graph_decode(*args, capture=capture))
             return decoders[-1]
         monkeypatch.setattr(sampling, "CudaGraphDecode", decoder)
         sampler = sampling.HFSampler(model, tokenizer, max_new_tokens=16, temperature=0.9, merged=True)

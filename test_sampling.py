@@ -81,6 +81,23 @@ def test_the_cuda_graphs_static_decode_step_generates_what_the_eager_one_does(ti
     assert torch.allclose(torch.tensor([lp for _, lps in static for lp in lps]), torch.tensor([lp for _, lps in eager for lp in lps]), atol=1e-5)
     assert len({tuple(ids) for ids, _ in static}) > 2
 
+
+def test_decode_attention_folds_grouped_heads_into_the_query_and_gives_transformers_sdpa():
+    """One new token per row, 8 query heads on 2 key/value heads, a mask hiding some positions: the folded product
+    equals transformers' sdpa (which repeats each key and value head for its 4 query heads)."""
+    from transformers.integrations.sdpa_attention import sdpa_attention_forward
+
+    torch.manual_seed(0)
+    module = torch.nn.Module()
+    module.num_key_value_groups, module.is_causal = 4, True
+    query, key, value = torch.randn(3, 8, 1, 16), torch.randn(3, 2, 10, 16), torch.randn(3, 2, 10, 16)
+    mask = torch.zeros(3, 1, 1, 10)
+    mask[0, ..., 7:], mask[1, ..., :2] = torch.finfo(torch.float32).min, torch.finfo(torch.float32).min
+    folded, _ = sampling.decode_attention(module, query, key, value, mask, scaling=0.25)
+    expected, _ = sdpa_attention_forward(module, query, key, value, mask, scaling=0.25)
+    assert folded.shape == expected.shape == (3, 1, 8, 16)
+    assert torch.allclose(folded, expected, atol=1e-6)
+
 def test_sample_tokens_draws_from_the_tempered_distribution_and_returns_its_log_probability():
     logits = torch.tensor([[2.0, 1.0, -1e9, 0.0, -1e9]]).repeat(20_000, 1)  # two tokens impossible
     torch.manual_seed(0)

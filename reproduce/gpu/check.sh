@@ -21,7 +21,7 @@
 set -u
 cd "$(dirname "$0")/../.." || exit 1
 ORDER=(tests decode pods old trl grpo vllm)
-declare -A SHARE=([tests]=25 [decode]=15 [pods]=23 [old]=23 [trl]=40 [grpo]=23 [vllm]=38)  # % of BUDGET a stage may take, at most
+declare -A SHARE=([tests]=25 [decode]=20 [pods]=23 [old]=23 [trl]=40 [grpo]=23 [vllm]=38)  # % of BUDGET a stage may take, at most
 for stage in "$@"; do
   [[ " ${ORDER[*]} " == *" $stage "* ]] || { echo "check.sh: unknown stage '$stage'; choose from: ${ORDER[*]}" >&2; exit 2; }
 done
@@ -60,8 +60,9 @@ fi
 card=$(nvidia-smi --query-gpu=name,memory.total --format=csv,noheader 2>/dev/null | head -n 1)
 python3 -c "import torch, sys; sys.exit(not torch.cuda.is_available())" || { echo "check.sh: torch sees no CUDA GPU here; this check needs one"; exit 1; }
 source "$HERE/carry-vllm/env.sh" 2>/dev/null  # vLLM 0.25.0 where reproduce/gpu/carry-vllm/receive.sh unpacked it (carry-vllm/README.md)
-python3 -c "import vllm" 2>/dev/null && has_vllm=yes || has_vllm=
-[[ $has_vllm ]] && SHARE[tests]=60  # the vLLM test starts vLLM three times
+# found, not imported (importing vLLM takes ~30 s); the vllm stage and the vLLM tests say so where it does not import
+python3 -c "import importlib.util as u, sys; sys.exit(u.find_spec('vllm') is None)" 2>/dev/null && has_vllm=yes || has_vllm=
+[[ $has_vllm ]] && SHARE[tests]=60  # the vLLM tests start vLLM four times (~2 minutes each on an H100, 28 November)
 if line=$(python3 "$HERE/make_models.py" embedded "$WORK/cache"); then  # the CUDA tests' model, in PODS_CACHE
   PODS_CACHE=$(dirname "${line%%$'\t'*}") embedded_what=${line#*$'\t'}
   export PODS_CACHE
@@ -99,7 +100,7 @@ train() {  # train STAGE DIR FLAGS...: train.py of the checkout in DIR for 3 ste
 
 for stage in "${stages[@]}"; do
   case $stage in
-    tests) run_stage tests python3 -m pytest -q -rfEs -m cuda -s -p no:cacheprovider ;;
+    tests) run_stage tests python3 -m pytest -v -rfEs -m cuda -s -p no:cacheprovider ;;  # -v: each test named as it starts
     decode) model_ready || { skip decode "no model to time (models.log)"; continue; }
            old_tree=(); [[ -d .gpu/old ]] && old_tree=(--old .gpu/old)
            run_stage decode python3 "$HERE/decode_bench.py" --model "$model_dir" --tokens "$TOKENS" "${old_tree[@]}" ;;
@@ -114,10 +115,12 @@ for stage in "${stages[@]}"; do
   esac
 done
 
-if commit=$(git rev-parse --short HEAD 2>/dev/null); then
+if [[ -f .gpu/commit ]]; then  # a borrowed machine's copy of the checkout may hold another git state than the one carried
+  commit="$(cat .gpu/commit) (as prepare.sh recorded it)"
+elif commit=$(git rev-parse --short HEAD 2>/dev/null); then
   [[ $(git status --porcelain 2>/dev/null) ]] && commit+=" with uncommitted changes"
 else
-  commit="$(cat .gpu/commit 2>/dev/null || echo unknown) (no git here: as prepare.sh recorded it)"
+  commit=unknown
 fi
 {
   echo "card: ${card:-unknown (no nvidia-smi)}"

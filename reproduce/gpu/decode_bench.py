@@ -1,7 +1,8 @@
 """The transformers sampler's decode step, timed on a GPU: milliseconds per decode step at the GPU profile's
 32 rows, for the CUDA-graph step (the default), the eager step (--no-cuda-graph) and an older commit's sampler
 (.gpu/old, prepare.sh with OLD=COMMIT), on one model loaded once, back to back; then each one's busiest CUDA
-kernels (torch.profiler), which name the attention kernel that runs. Exploratory: the graph with folded_attention. check.sh's `decode` stage:
+kernels (torch.profiler), which name the attention kernel that runs; and the graph with transformers' sdpa in
+place of sampling.decode_attention. check.sh's `decode` stage:
     python3 reproduce/gpu/decode_bench.py --model DIR [--old .gpu/old] [--tokens 128] [--rows 32]
 Each variant generates once at 16 tokens (CUDA's first calls), then `--tokens` tokens per row, timed; random
 weights never stop early, so every step decodes every row and ms/step = seconds / tokens (the prefill included).
@@ -36,43 +37,27 @@ def synchronize() -> None:
         torch.cuda.synchronize()
 
 
-def folded_attention(module, query, key, value, attention_mask, scaling=None, dropout=0.0, **kwargs):
-    """Exploratory, for the decode stage only: a decode step's attention with grouped-query heads folded into
-    the query's length ([rows, kv heads, groups, dim] against keys and values as stored), instead of transformers'
-    sdpa, which copies the keys and values to every query head whenever a mask is given. Exact for one new token;
-    the prefill (several) takes transformers' sdpa."""
-    from transformers.integrations.sdpa_attention import sdpa_attention_forward
-
-    rows, heads, length, dim = query.shape
-    if length != 1 or key.shape[1] == heads:
-        return sdpa_attention_forward(module, query, key, value, attention_mask, scaling=scaling, dropout=dropout, **kwargs)
-    out = torch.nn.functional.scaled_dot_product_attention(query.view(rows, key.shape[1], heads // key.shape[1], dim),
-                                                           key, value, attn_mask=attention_mask, scale=scaling)
-    return out.view(rows, heads, 1, dim).transpose(1, 2), None
-
-
-class Folded:
-    """A sampler whose model decodes with folded_attention while it generates."""
+class WithSdpa:
+    """A sampler whose CudaGraphDecode attends with transformers' own sdpa (repeat_kv under the mask) instead of
+    sampling.decode_attention: what folding the grouped-query heads saves."""
 
     def __init__(self, sampler):
-        from transformers import AttentionInterface
-
-        AttentionInterface.register("folded_sdpa", folded_attention)
-        self.sampler = sampler
+        object.__setattr__(self, "sampler", sampler)
 
     def __getattr__(self, name):
         return getattr(self.sampler, name)
 
     def __setattr__(self, name, value):
-        setattr(self.sampler, name, value) if name != "sampler" else object.__setattr__(self, name, value)
+        setattr(self.sampler, name, value)
 
     def generate(self, prompts, n):
-        config = self.sampler.model.config
-        before, config._attn_implementation = config._attn_implementation, "folded_sdpa"
+        from transformers.integrations.sdpa_attention import sdpa_attention_forward
+
+        folded, sampling.decode_attention = sampling.decode_attention, sdpa_attention_forward
         try:
             return self.sampler.generate(prompts, n)
         finally:
-            config._attn_implementation = before
+            sampling.decode_attention = folded
 
 
 def timed(sampler, prompt: list[int], rows: int, tokens: int) -> float:
@@ -117,15 +102,11 @@ def main() -> None:
     prompt = sampling.build_prompt(tokenizer, "Natalia sold clips to 48 of her friends in April, and then she sold half "
                                               "as many clips in May. How many clips did Natalia sell altogether?")
     variants = {"graph": sampling.HFSampler(model, tokenizer, 16, 0.9, share_prompt=False, cuda_graph=True),
-                "eager": sampling.HFSampler(model, tokenizer, 16, 0.9, share_prompt=False, cuda_graph=False),
-                "graph, folded": Folded(sampling.HFSampler(model, tokenizer, 16, 0.9, share_prompt=False, cuda_graph=True))}
-    if args.old and Path(args.old, "sampling.py").exists():
+                "eager": sampling.HFSampler(model, tokenizer, 16, 0.9, share_prompt=False, cuda_graph=False)}
+    if args.old and Path(args.old, "sampling.py").exists():  # before the sdpa graph: the regression's baseline comes first
         commit = Path(args.old, "commit").read_text().strip() if Path(args.old, "commit").exists() else "old"
         variants[f"old {commit}"] = old_sampling(Path(args.old)).HFSampler(model, tokenizer, 16, 0.9, share_prompt=False)
-    torch.manual_seed(0)  # the same tokens from the graph and the folded graph: their attention is the same sum
-    same = [r.completion_ids for r in variants["graph"].generate([prompt], 4)[0]]
-    torch.manual_seed(0)
-    print("decode: folded attention gives the graph's tokens:", same == [r.completion_ids for r in variants["graph, folded"].generate([prompt], 4)[0]])
+    variants["graph, sdpa"] = WithSdpa(sampling.HFSampler(model, tokenizer, 16, 0.9, share_prompt=False, cuda_graph=True))
     print(f"decode: {args.rows} rows, {len(prompt)} prompt tokens, {args.tokens} new tokens, {model.dtype}, "
           f"{torch.cuda.get_device_name() if device == 'cuda' else 'CPU'}, torch {torch.__version__}")
     seconds = {}

@@ -75,10 +75,19 @@ def peak(log_text: str) -> tuple[float, float] | None:
 
 
 def outcome_lines(log_text: str) -> list[str]:
-    """pytest's counts (its last line) and its FAILED / ERROR / SKIPPED lines."""
+    """pytest's counts (its last line) and its FAILED / ERROR / SKIPPED lines; where it was stopped before them,
+    each test's outcome as `pytest -v` printed it, and the test it was running."""
     counts = [line.strip("= ") for line in log_text.splitlines() if re.search(r"\d+ (passed|failed|skipped|error)", line)]
     named = [line[:200] for line in log_text.splitlines() if line.startswith(("FAILED ", "ERROR ", "SKIPPED "))]
-    return counts[-1:] + named
+    if counts:
+        return counts[-1:] + named
+    started = list(re.finditer(r"^(\S+\.py::\S+)", log_text, re.M))
+    lines = ["stopped before pytest's summary:"] if started else []
+    for k, test in enumerate(started):
+        end = started[k + 1].start() if k + 1 < len(started) else len(log_text)
+        outcome = re.search(r"\b(PASSED|FAILED|SKIPPED|ERROR)\b", log_text[test.end():end])
+        lines.append(f"{test.group(1)} {outcome.group(1) if outcome else 'was running'}")
+    return lines
 
 
 def cell(value: float | None, digits: int) -> str:

@@ -72,6 +72,18 @@ def test_summary_header_names_card_date_commit_versions_model_and_the_tests_coun
 
 
 @pytest.mark.pure
+def test_summary_of_tests_stopped_by_the_budget_names_each_outcome_and_the_test_that_was_running(tmp_path):
+    (tmp_path / "status.txt").write_text("tests\t124\t324\n")
+    (tmp_path / "tests.log").write_text(  # pytest -v -s: a test's prints come between its name and its outcome
+        "collected 430 items / 422 deselected / 8 selected\n\ntest_cuda.py::test_a[False] PASSED\n"
+        "test_cuda.py::test_b \ncuda sampler gap: mean 1.11e-03\nPASSED\ntest_cuda.py::test_c FAILED\n"
+        "test_cuda.py::test_d SKIPPED (needs vLLM)\ntest_cuda.py::test_vllm \nWARNING vLLM is starting\n")
+    lines = summary.summary(tmp_path).splitlines()
+    assert lines[lines.index("tests (pytest -m cuda): timed out at 324 s") + 1:][:6] == [
+        "  stopped before pytest's summary:", "  test_cuda.py::test_a[False] PASSED", "  test_cuda.py::test_b PASSED",
+        "  test_cuda.py::test_c FAILED", "  test_cuda.py::test_d SKIPPED", "  test_cuda.py::test_vllm was running"]
+
+@pytest.mark.pure
 def test_summary_of_stages_without_rows_names_each_failure_and_gives_no_ratios(tmp_path):
     (tmp_path / "env.txt").write_text("card: X\n")
     (tmp_path / "status.txt").write_text("pods\t1\t30\ngrpo\t137\t110\ntrl\tskipped\tno time left of BUDGET=480 s\n")
