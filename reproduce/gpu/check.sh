@@ -6,7 +6,7 @@
 #   TOKENS=128 bash reproduce/gpu/check.sh pods trl  # the stages named, at 128 new tokens: a quick look
 # Stages, run in this order (name some to run only those):
 #   tests  python -m pytest -m cuda: the CUDA tests
-#   decode the transformers sampler's decode step, ms at 32 rows: CUDA graph, eager and .gpu/old's (decode_bench.py)
+#   decode the transformers sampler's decode step, ms at 32 rows and at most 256 tokens: CUDA graph, eager, .gpu/old's
 #   pods   train.py --backend hf --n 32 --m 16 (PODS, the default command's GPU profile): 3 steps, 2-3 timed
 #   old    the same in .gpu/old, an older commit's tree (prepare.sh with OLD=COMMIT): a regression's baseline
 #   trl    TRL's GRPOTrainer, GRPO n=32, on the same model and configuration (trl_gpu.py)
@@ -103,7 +103,7 @@ for stage in "${stages[@]}"; do
     tests) run_stage tests python3 -m pytest -v -rfEs -m cuda -s -p no:cacheprovider ;;  # -v: each test named as it starts
     decode) model_ready || { skip decode "no model to time (models.log)"; continue; }
            old_tree=(); [[ -d .gpu/old ]] && old_tree=(--old .gpu/old)
-           run_stage decode python3 "$HERE/decode_bench.py" --model "$model_dir" --tokens "$TOKENS" "${old_tree[@]}" ;;
+           run_stage decode python3 "$HERE/decode_bench.py" --model "$model_dir" --tokens $((TOKENS < 256 ? TOKENS : 256)) "${old_tree[@]}" ;;  # eager steps: 85 ms
     pods)  train pods . --backend hf --n 32 --m 16 ;;
     old)   if [[ -d .gpu/old ]]; then train old .gpu/old --backend hf --n 32 --m 16
            else skip old "no .gpu/old: run prepare.sh with OLD=COMMIT first"; fi ;;
