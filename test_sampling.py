@@ -82,6 +82,40 @@ def test_the_cuda_graphs_static_decode_step_generates_what_the_eager_one_does(ti
     assert len({tuple(ids) for ids, _ in static}) > 2
 
 
+
+def test_the_static_decode_step_never_reads_a_tensor_on_the_host_so_a_cuda_graph_can_capture_it(tiny_model_dir):
+    """A CUDA graph cannot capture an operation that brings a value back to the host (`.item()`, a bool of a
+    tensor, `nonzero`): the capture fails. Checked here on a CPU, operation by operation: CudaGraphDecode's step
+    has none, under the installed transformers, while the eager step has (transformers' mask code asks whether
+    every position is attended)."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    class HostReads(TorchDispatchMode):
+        def __init__(self):
+            super().__init__()
+            self.found = []
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            if func.__name__.split(".")[0] in ("_local_scalar_dense", "item", "is_nonzero", "nonzero"):
+                self.found.append(func.__name__)
+            return func(*args, **(kwargs or {}))
+
+    model, tokenizer = lora_policy(tiny_model_dir)
+    clone = sampling.merged_copy(model, torch.float32)
+    reads = {}
+    for decode in (sampling.EagerDecode, functools.partial(sampling.CudaGraphDecode, capture=False)):
+        with torch.inference_mode():
+            prompt = torch.tensor([[5, 6, 7, 8], [2, 9, 10, 11]])
+            mask = torch.tensor([[1, 1, 1, 1], [0, 1, 1, 1]])
+            out = clone(input_ids=prompt, attention_mask=mask, position_ids=(mask.cumsum(1) - 1).clamp(min=0), use_cache=True)
+            cache = getattr(out, sampling.kv_cache_name())
+            assert sampling.reserve_cache(cache, 4)
+            step = decode(clone, cache, torch.cat([mask, mask.new_ones(2, 4)], dim=1), mask.sum(1), 4)
+            with HostReads() as mode:
+                step(torch.tensor([12, 13]))
+        reads[decode] = mode.found
+    assert reads[sampling.EagerDecode] and not list(reads.values())[1]
+
 def test_decode_attention_folds_grouped_heads_into_the_query_and_gives_transformers_sdpa():
     """One new token per row, 8 query heads on 2 key/value heads, a mask hiding some positions: the folded product
     equals transformers' sdpa (which repeats each key and value head for its 4 query heads)."""
