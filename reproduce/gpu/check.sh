@@ -5,7 +5,7 @@
 #   bash reproduce/gpu/check.sh                      # every stage, 8 minutes at most (BUDGET=480 seconds)
 #   TOKENS=128 bash reproduce/gpu/check.sh pods trl  # the stages named, at 128 new tokens: a quick look
 # Stages, run in this order (name some to run only those):
-#   tests  python -m pytest -m cuda: the CUDA tests
+#   tests  python -m pytest -m cuda: the CUDA tests (TESTS: only those pytest -k selects, e.g. TESTS=vllm)
 #   decode the transformers sampler's decode step, ms at 32 rows and at most 256 tokens: CUDA graph, eager, .gpu/old's
 #   pods   train.py --backend hf --n 32 --m 16 (PODS, the default command's GPU profile): 3 steps, 2-3 timed
 #   old    the same in .gpu/old, an older commit's tree (prepare.sh with OLD=COMMIT): a regression's baseline
@@ -15,7 +15,8 @@
 # MODEL: what the timed stages train (default Qwen/Qwen2.5-3B-Instruct, a local directory or a hub name in the
 # hub's cache; where it is neither, or MODEL=random, random weights at its shape: make_models.py). DATASET: what
 # train.py --dataset takes (default .gpu/gsm8k-train.jsonl where prepare.sh put it, else gsm8k from the hub).
-# Each stage may take its SHARE of BUDGET and no more than is left of it; one stopped there reports the steps it finished.
+# Each stage may take its SHARE of BUDGET (the last one all that is left) and no more than is left of it; one stopped
+# there reports the steps it finished.
 # OUT (default runs/gpu-check) receives last_check.txt (the summary), check.log (all printed here) and logs.tar.gz
 # (each stage's log and metrics); WORK (default /tmp/pods-gpu-check) holds the models, runs and logs.
 set -u
@@ -80,10 +81,10 @@ model_ready() {  # true once make_models.py has given the timed stages' model
   [[ ${model_dir:-} ]]
 }
 skip() { printf '%s\tskipped\t%s\n' "$1" "$2" >>"$LOGS/status.txt"; say "$1 skipped: $2"; }
-run_stage() {  # run_stage STAGE COMMAND...: within its share of BUDGET and what is left of it (20 s kept for the summary)
+run_stage() {  # run_stage STAGE COMMAND...: within its share of BUDGET (the last stage: all) and what is left (20 s kept for the summary)
   local stage=$1 limit=$((BUDGET - (SECONDS - start) - 20)) began=$SECONDS code
   shift
-  ((limit > BUDGET * SHARE[$stage] / 100)) && limit=$((BUDGET * SHARE[$stage] / 100))
+  [[ $stage != "${stages[-1]}" ]] && ((limit > BUDGET * SHARE[$stage] / 100)) && limit=$((BUDGET * SHARE[$stage] / 100))
   ((limit < 30)) && { skip "$stage" "no time left of BUDGET=$BUDGET s"; return; }
   say "$stage, at most $limit s: $*"
   timeout -k 15 $((limit - 15)) "$@" >"$LOGS/$stage.log" 2>&1  # SIGTERM: train.py finishes its step; KILL 15 s later
@@ -100,7 +101,7 @@ train() {  # train STAGE DIR FLAGS...: train.py of the checkout in DIR for 3 ste
 
 for stage in "${stages[@]}"; do
   case $stage in
-    tests) run_stage tests python3 -m pytest -v -rfEs -m cuda -s -p no:cacheprovider ;;  # -v: each test named as it starts
+    tests) run_stage tests python3 -m pytest -v -rfEs -m cuda -s -p no:cacheprovider ${TESTS:+-k "$TESTS"} ;;  # -v: each test named as it starts
     decode) model_ready || { skip decode "no model to time (models.log)"; continue; }
            old_tree=(); [[ -d .gpu/old ]] && old_tree=(--old .gpu/old)
            run_stage decode python3 "$HERE/decode_bench.py" --model "$model_dir" --tokens $((TOKENS < 256 ? TOKENS : 256)) "${old_tree[@]}" ;;  # eager steps: 85 ms
