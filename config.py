@@ -33,7 +33,7 @@ PROFILES = {
                 gradient_checkpointing=False, bf16_autocast=True, bf16_weights=False, merged_sampler=True, share_prompt=True),
 }
 BFLOAT16_FLAGS = ("bf16_autocast",)  # off in the CPU profile where the CPU emulates bfloat16 (the merged copy is then float32)
-PRECISION_FLAGS = (*BFLOAT16_FLAGS, "merged_sampler", "bf16_weights")  # what --resume warns about when they change
+PRECISION_FLAGS = (*BFLOAT16_FLAGS, "merged_sampler", "bf16_weights", "cuda_graph")  # --resume warns when they change (rounding)
 
 
 def flag_text(name: str, on: bool) -> str:

@@ -187,6 +187,10 @@ class HFSampler:
                 if step == self.max_new_tokens - 1 or bool(stopped.all()):
                     break
                 logits = decode(token)
+            if graph and decode.graph is None:  # the capture failed (logged): decode eagerly from now on
+                self.cuda_graph = False
+            for layer in cache.layers:  # each layer's own update refers to it: dropped, the cache is freed now, not by gc
+                vars(layer).pop("update", None)
         result = []
         rows, row_logprobs = torch.stack(tokens, 1).tolist(), torch.stack(logprobs, 1).tolist()
         for prompt, row, row_logprob in zip([p for p in prompts for _ in range(n)], rows, row_logprobs):
@@ -213,16 +217,17 @@ def reserve_cache(cache, tokens: int) -> bool:
     filled + tokens, head_dim] buffers (`layer.room`); DynamicLayer's own code reads lengths and masks
     from those views. Made for the decode loop above, which only appends: a cache that is reordered,
     cropped or reset afterwards needs DynamicLayer's own update back. A cache with other kinds of
-    layers (sliding-window, shared or linear-attention ones, which keep their own lengths) is left as it is."""
+    layers (sliding-window, shared or linear-attention ones, which keep their own lengths) is left as it is:
+    the result says whether the cache was reserved. The room starts as zeros (CudaGraphDecode reads all of it)."""
     from transformers.cache_utils import DynamicLayer
 
     if any(type(layer) is not DynamicLayer for layer in cache.layers):
-        return
+        return False
     for layer in cache.layers:
         filled = layer.keys.shape[-2]
         layer.room = []
         for current in (layer.keys, layer.values):
-            room = current.new_zeros(*current.shape[:2], filled + tokens, current.shape[-1])  # zeros: CudaGraphDecode reads them
+            room = current.new_zeros(*current.shape[:2], filled + tokens, current.shape[-1])
             room[:, :, :filled] = current
             layer.room.append(room)
         layer.keys, layer.values = (room[:, :, :filled] for room in layer.room)
@@ -259,8 +264,8 @@ class EagerDecode:
 class CudaGraphDecode:
     """A decode step captured once as a CUDA graph and replayed for every token: the same forward as EagerDecode,
     without its launches. At 32 rows a decode step of a 3B model reads ~6 GB of weights (~2 ms on an H100), but
-    eagerly it launches some 15 small kernels per layer from Python, and the launches set its pace (26-33 ms a
-    step on an H200, docs/gpu.md). A graph replays all of them at once; in exchange every tensor it touches
+    eagerly it launches some 15 small kernels per layer from Python, and the launches set its pace (docs/speed.md
+    has the figures). A graph replays all of them at once; in exchange every tensor it touches
     must keep its address and shape from one step to the next. So the step reads its inputs from fixed tensors
     (`token`, `position`, `column`), each layer writes its new key and value at `column` of the buffers that
     reserve_cache made (`write_at_column`), and attention (`decode_attention`) runs over every reserved position with
@@ -285,13 +290,15 @@ class CudaGraphDecode:
             with torch.cuda.stream(side):
                 self.forward()  # writes column `width`, which the first step writes again
             torch.cuda.current_stream().wait_stream(side)
+            stream = torch.cuda.current_stream()
             try:
                 graph = torch.cuda.CUDAGraph()
                 with torch.cuda.graph(graph):
                     self.logits = self.forward()
                 self.graph = graph
             except RuntimeError as err:  # a model whose forward cannot be captured (it reads a GPU value on the host, say)
-                log.warning("decoding without a CUDA graph: capturing the decode step failed (%s)", str(err).splitlines()[0])
+                torch.cuda.set_stream(stream)  # a failed capture can leave the capture's stream current
+                log.warning("decoding without CUDA graphs: capturing the decode step failed (%s)", str(err).splitlines()[0])
 
     def forward(self) -> torch.Tensor:
         from transformers import AttentionInterface
@@ -322,18 +329,21 @@ class CudaGraphDecode:
 def decode_attention(module, query, key, value, attention_mask, scaling=None, dropout=0.0, **kwargs):
     """CudaGraphDecode's attention (a transformers attention function): one new token per row, with the query heads
     that share a key and value head (grouped-query attention) folded into the query's length, [rows, kv heads,
-    group, dim], against the keys and values as they are stored. Under a mask, transformers' sdpa copies every key and
-    value head to each query head it serves (repeat_kv: 8 copies at Qwen2.5-3B's shape, of the whole reserved cache,
-    in every layer, every step); folded, nothing is copied: a decode step of 8.2 ms instead of 12.4 (H100, 32 rows,
-    3B shape, reproduce/gpu/decode_bench.py). The same sums, so exact; other calls go to transformers' sdpa."""
+    group, dim], against the keys and values as they are stored. Given a mask, transformers 5.19's sdpa copies every
+    key and value head to each query head it serves (repeat_kv: 8 copies at Qwen2.5-3B's shape, of the whole reserved
+    cache, in every layer, every step); folded, nothing is copied: a decode step of 8.2 ms instead of 12.4 (H100, 32
+    rows, 3B shape, transformers 5.19; docs/speed.md). transformers 5.24's sdpa folds them itself (`pack_gqa`).
+    The same products, equal up to rounding. Anything else (the prefill, models without grouped heads,
+    soft-capping or sinks) goes to transformers' sdpa."""
     from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
     rows, heads, length, dim = query.shape
-    if length != 1 or key.shape[1] == heads:
+    others = any(kwargs.get(name) is not None for name in ("softcap", "s_aux", "position_bias", "sliding_window"))
+    if length != 1 or key.shape[1] == heads or others:
         return sdpa_attention_forward(module, query, key, value, attention_mask, scaling=scaling, dropout=dropout, **kwargs)
     out = torch.nn.functional.scaled_dot_product_attention(query.view(rows, key.shape[1], heads // key.shape[1], dim),
                                                            key, value, attn_mask=attention_mask, scale=scaling)
-    return out.view(rows, heads, 1, dim).transpose(1, 2), None  # [rows, 1, heads, dim], as transformers' sdpa returns it
+    return out.reshape(rows, heads, 1, dim).transpose(1, 2), None  # [rows, 1, heads, dim], as transformers' sdpa returns it
 
 
 def write_at_column(layer, column: torch.Tensor, key_states: torch.Tensor, value_states: torch.Tensor, *args, **kwargs):

@@ -94,6 +94,23 @@ def test_cuda_graph_decode_replays_the_static_step_exactly(tiny_model_dir, monke
     assert decoders[0].graph is not None and decoders[1].graph is None
     assert results[0] == results[1] and len({tuple(ids) for ids, _ in results[0]}) > 2
 
+
+@on_cuda
+def test_cuda_graph_decode_samples_what_the_eager_decode_does_in_float32(tiny_model_dir):
+    """CudaGraphDecode (a static cache, attention over all of it under a mask, decode_attention) against
+    EagerDecode (the cache as it grows, transformers' sdpa) on CUDA, in float32: the same tokens, log-probabilities
+    to float32's rounding. (In bfloat16 the two round differently and an adjacent token is sometimes drawn.)"""
+    model, tokenizer = checkpointed_lora_policy(tiny_model_dir, True, "cuda", torch.float32)
+    runs = []
+    for graph in (True, False):
+        sampler = sampling.HFSampler(model, tokenizer, max_new_tokens=16, temperature=0.9, merged=True,
+                                     merged_dtype=torch.float32, cuda_graph=graph)
+        torch.manual_seed(0)
+        runs.append([(r.completion_ids, r.logprobs) for group in sampler.generate([[5, 6, 7, 8], [9, 10]], 4) for r in group])
+        assert sampler.cuda_graph is graph  # the capture did not fail
+    assert [ids for ids, _ in runs[0]] == [ids for ids, _ in runs[1]]
+    assert torch.allclose(torch.tensor([lp for _, lps in runs[0] for lp in lps]), torch.tensor([lp for _, lps in runs[1] for lp in lps]), atol=1e-4)
+
 @on_cuda
 def test_cuda_gpu_profile_trains_resumes_exactly_and_evaluates(tiny_model_dir, tmp_path, monkeypatch):
     """train.py with nothing but the GPU profile's own defaults (the run a GPU user starts), on the tiny

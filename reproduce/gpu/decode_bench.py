@@ -38,8 +38,9 @@ def synchronize() -> None:
 
 
 class WithSdpa:
-    """A sampler whose CudaGraphDecode attends with transformers' own sdpa (repeat_kv under the mask) instead of
-    sampling.decode_attention: what folding the grouped-query heads saves."""
+    """A sampler whose CudaGraphDecode attends with transformers' own sdpa instead of sampling.decode_attention:
+    what folding the grouped-query heads saves under transformers 5.19 (repeat_kv under the mask; 5.24's sdpa folds
+    them itself, so there the two variants run the same kernels)."""
 
     def __init__(self, sampler):
         object.__setattr__(self, "sampler", sampler)
