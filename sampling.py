@@ -274,6 +274,8 @@ class CudaGraphDecode:
     static step eagerly (how a CPU test checks it), as does a model whose forward cannot be captured."""
 
     def __init__(self, model, cache, mask: torch.Tensor, position: torch.Tensor, width: int, capture: bool = True):
+        from transformers import AttentionInterface
+
         self.model, self.cache = model, cache
         room = cache.layers[0].room[0]
         self.token, self.position = position.new_zeros(len(position), 1), position[:, None].clone()
@@ -283,14 +285,14 @@ class CudaGraphDecode:
         self.bias[:, 0, 0, width:] = torch.finfo(room.dtype).min  # the completion, until written
         for layer in cache.layers:
             layer.update = functools.partial(write_at_column, layer, self.column)
+        AttentionInterface.register("pods_decode", decode_attention)  # forward() switches the model to it
         self.graph = None
         if capture:
-            side = torch.cuda.Stream()  # a first forward off the graph: cuBLAS's and the allocator's setup are not captured
-            side.wait_stream(torch.cuda.current_stream())
+            stream, side = torch.cuda.current_stream(), torch.cuda.Stream()
+            side.wait_stream(stream)  # a first forward off the graph: cuBLAS's and the allocator's setup are not captured
             with torch.cuda.stream(side):
                 self.forward()  # writes column `width`, which the first step writes again
-            torch.cuda.current_stream().wait_stream(side)
-            stream = torch.cuda.current_stream()
+            stream.wait_stream(side)
             try:
                 graph = torch.cuda.CUDAGraph()
                 with torch.cuda.graph(graph):
@@ -301,9 +303,6 @@ class CudaGraphDecode:
                 log.warning("decoding without CUDA graphs: capturing the decode step failed (%s)", str(err).splitlines()[0])
 
     def forward(self) -> torch.Tensor:
-        from transformers import AttentionInterface
-
-        AttentionInterface.register("pods_decode", decode_attention)
         config = self.model.config  # every attention layer reads its implementation from it at each forward
         attention, config._attn_implementation = config._attn_implementation, "pods_decode"
         try:

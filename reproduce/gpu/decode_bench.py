@@ -11,6 +11,7 @@ weights never stop early, so every step decodes every row and ms/step = seconds 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import importlib.util
 import os
 import sys
@@ -37,28 +38,20 @@ def synchronize() -> None:
         torch.cuda.synchronize()
 
 
-class WithSdpa:
-    """A sampler whose CudaGraphDecode attends with transformers' own sdpa instead of sampling.decode_attention:
-    what folding the grouped-query heads saves under transformers 5.19 (repeat_kv under the mask; 5.24's sdpa folds
+@contextlib.contextmanager
+def transformers_sdpa(on: bool):
+    """While on, CudaGraphDecode attends with transformers' own sdpa instead of sampling.decode_attention: what
+    folding the grouped-query heads saves under transformers 5.19 (repeat_kv under the mask; 5.24's sdpa folds
     them itself, so there the two variants run the same kernels)."""
+    from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
-    def __init__(self, sampler):
-        object.__setattr__(self, "sampler", sampler)
-
-    def __getattr__(self, name):
-        return getattr(self.sampler, name)
-
-    def __setattr__(self, name, value):
-        setattr(self.sampler, name, value)
-
-    def generate(self, prompts, n):
-        from transformers.integrations.sdpa_attention import sdpa_attention_forward
-
-        folded, sampling.decode_attention = sampling.decode_attention, sdpa_attention_forward
-        try:
-            return self.sampler.generate(prompts, n)
-        finally:
-            sampling.decode_attention = folded
+    folded = sampling.decode_attention
+    if on:
+        sampling.decode_attention = sdpa_attention_forward
+    try:
+        yield
+    finally:
+        sampling.decode_attention = folded
 
 
 def timed(sampler, prompt: list[int], rows: int, tokens: int) -> float:
@@ -107,19 +100,21 @@ def main() -> None:
     if args.old and Path(args.old, "sampling.py").exists():  # before the sdpa graph: the regression's baseline comes first
         commit = Path(args.old, "commit").read_text().strip() if Path(args.old, "commit").exists() else "old"
         variants[f"old {commit}"] = old_sampling(Path(args.old)).HFSampler(model, tokenizer, 16, 0.9, share_prompt=False)
-    variants["graph, sdpa"] = WithSdpa(sampling.HFSampler(model, tokenizer, 16, 0.9, share_prompt=False, cuda_graph=True))
+    variants["graph, sdpa"] = sampling.HFSampler(model, tokenizer, 16, 0.9, share_prompt=False, cuda_graph=True)
     print(f"decode: {args.rows} rows, {len(prompt)} prompt tokens, {args.tokens} new tokens, {model.dtype}, "
           f"{torch.cuda.get_device_name() if device == 'cuda' else 'CPU'}, torch {torch.__version__}")
     seconds = {}
     for name, sampler in variants.items():
-        seconds[name] = timed(sampler, prompt, args.rows, args.tokens)
+        with transformers_sdpa(name == "graph, sdpa"):
+            seconds[name] = timed(sampler, prompt, args.rows, args.tokens)
         print(f"decode: {name:14s} {1000 * seconds[name] / args.tokens:7.2f} ms/step  ({seconds[name]:.2f} s), "
               f"CUDA peak allocated {torch.cuda.max_memory_allocated() / 2**30 if device == 'cuda' else 0:.2f} GiB so far", flush=True)
     for name in ("graph", "eager"):
         print(f"decode: {name} / {', '.join(f'{other} {seconds[name] / seconds[other]:.2f}' for other in seconds if other != name)}")
     for name, sampler in variants.items():
         if device == "cuda":
-            print(f"kernels, {name}:", *busiest_kernels(sampler, prompt, args.rows), sep="\n  ", flush=True)
+            with transformers_sdpa(name == "graph, sdpa"):
+                print(f"kernels, {name}:", *busiest_kernels(sampler, prompt, args.rows), sep="\n  ", flush=True)
 
 
 if __name__ == "__main__":
