@@ -43,6 +43,7 @@ import torch
 
 import checkpoint
 import data
+import decode
 import model as models
 import plot
 import rewards
@@ -199,15 +200,17 @@ def is_result_of(result: dict, target: Target, base: str) -> bool:
 
 
 def generation_code() -> dict:
-    """What, besides the settings, decides the text sampled with a seed: sampling.py's source and the
-    versions of the libraries that generate (a new sampler draws another random stream)."""
+    """What, besides the settings, decides the text sampled with a seed: the source of sampling.py and decode.py
+    and the versions of the libraries that generate (a new sampler draws another random stream)."""
     from importlib import metadata
 
     versions = {}
     for package in ("torch", "transformers", "vllm"):
         with contextlib.suppress(metadata.PackageNotFoundError):
             versions[package] = metadata.version(package)
-    return {"sampling.py": hashlib.sha256(Path(sampling.__file__).read_bytes()).hexdigest()[:16], **versions}
+    sources = {Path(module.__file__).name: hashlib.sha256(Path(module.__file__).read_bytes()).hexdigest()[:16]
+               for module in (sampling, decode)}
+    return {**sources, **versions}
 
 
 def generation_precision(backend: str) -> str:

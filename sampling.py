@@ -5,7 +5,7 @@ Generation is the cheap, parallel phase; PODS then keeps only m of the n rollout
 expensive update (pods.py).
 
 `HFSampler` runs a short decode loop of its own (prefill each prompt once, copy its cache to its n
-rows, decode one token per row per step), on a copy of the policy with the LoRA merged in (bfloat16,
+rows, decode one token per row per step: decode.py makes that step fast), on a copy of the policy with the LoRA merged in (bfloat16,
 or float32 on a CPU without bfloat16 arithmetic), refreshed after every update. It works anywhere,
 including a CPU with no GPU. vllm_sampler.VLLMSampler is the GPU backend with the same interface,
 `sampler.generate(prompts, n) -> list[list[Rollout]]`. `generate_and_score` runs either on a batch and scores
@@ -16,7 +16,6 @@ Run `python sampling.py` to sample a few answers from the embedded model.
 
 from __future__ import annotations
 
-import functools
 import logging
 import time
 from dataclasses import dataclass
@@ -24,8 +23,7 @@ from dataclasses import dataclass
 import torch
 
 import rewards
-
-log = logging.getLogger("pods")
+from decode import CudaGraphDecode, EagerDecode, kv_cache_name, release_cache, reserve_cache
 
 
 @dataclass
@@ -101,15 +99,15 @@ class HFSampler:
     each distinct prompt once, copy its KV cache to its n rows, then decode one token per row per
     step until every row has stopped.
 
-    Four measured speed mechanisms, each a small function or class below (docs/speed.md has the figures):
+    Four measured speed mechanisms (docs/speed.md has the figures), the first two below, the others in decode.py:
     - `merged_copy` (with `merged=True`): decode with a copy of the policy whose LoRA is merged
       into its weights, in `merged_dtype`, refreshed by `update_weights` after every update (how
       vLLM serves a LoRA on a GPU). Without it every forward runs peft's ~210 extra adapter
       matmuls.
     - `sample_tokens`: inverse-transform sampling, one random number per row instead of one per
       vocabulary entry.
-    - `reserve_cache`: the KV cache written in place, not grown by concatenation at every token.
-    - `CudaGraphDecode` (on a GPU, with `cuda_graph=True`): each decode step replayed as one CUDA graph
+    - `decode.reserve_cache`: the KV cache written in place, not grown by concatenation at every token.
+    - `decode.CudaGraphDecode` (on a GPU, with `cuda_graph=True`): each decode step replayed as one CUDA graph
       instead of ~15 kernel launches per layer from Python.
     A bfloat16 copy's rounding makes the sampled distribution differ slightly from the one the update
     scores (a float32 copy's by float32 rounding only); the log-probabilities each rollout carries
@@ -175,7 +173,7 @@ class HFSampler:
             position = mask.sum(1).repeat_interleave(n // copies)
             mask = torch.cat([mask.repeat_interleave(n // copies, dim=0), mask.new_ones(len(position), self.max_new_tokens)], dim=1)
             graph = self.cuda_graph and reserved and device.type == "cuda"
-            decode = (CudaGraphDecode if graph else EagerDecode)(self.model, cache, mask, position, width)
+            decode_step = (CudaGraphDecode if graph else EagerDecode)(self.model, cache, mask, position, width)
             tokens, logprobs = [], []
             stopped = torch.zeros(len(mask), dtype=torch.bool, device=device)
             for step in range(self.max_new_tokens):  # decode: one token per row
@@ -186,11 +184,10 @@ class HFSampler:
                 stopped |= torch.isin(token, stops)
                 if step == self.max_new_tokens - 1 or bool(stopped.all()):
                     break
-                logits = decode(token)
-            if graph and decode.graph is None:  # the capture failed (logged): decode eagerly from now on
+                logits = decode_step(token)
+            if graph and decode_step.graph is None:  # the capture failed (logged): decode eagerly from now on
                 self.cuda_graph = False
-            for layer in cache.layers:  # each layer's own update refers to it: dropped, the cache is freed now, not by gc
-                vars(layer).pop("update", None)
+            release_cache(cache)  # freed now, before the update, not whenever gc runs
         result = []
         rows, row_logprobs = torch.stack(tokens, 1).tolist(), torch.stack(logprobs, 1).tolist()
         for prompt, row, row_logprob in zip([p for p in prompts for _ in range(n)], rows, row_logprobs):
@@ -198,159 +195,6 @@ class HFSampler:
             text = self.tokenizer.decode(completion, skip_special_tokens=True)
             result.append(Rollout(prompt, completion, text, truncated, row_logprob[: len(completion)]))
         return result
-
-
-@functools.cache
-def kv_cache_name() -> str:
-    """The name of a forward's key-value cache, argument and output: `cache` from transformers 5.24,
-    `past_key_values` before (5.24 still takes the old name, with a FutureWarning, until 5.40)."""
-    from transformers.modeling_outputs import CausalLMOutputWithPast
-
-    return "cache" if "cache" in CausalLMOutputWithPast.__dataclass_fields__ else "past_key_values"
-
-
-def reserve_cache(cache, tokens: int) -> bool:
-    """Room for `tokens` more positions in every layer of a filled transformers DynamicCache, written in
-    place by each decode step. DynamicLayer.update grows keys and values by concatenation, so every
-    step copied every layer's whole cache (`cat` was 15% of a generation step on a 2-core CPU,
-    docs/speed.md). Each layer's keys and values become views of the filled part of [batch, heads,
-    filled + tokens, head_dim] buffers (`layer.room`); DynamicLayer's own code reads lengths and masks
-    from those views. Made for the decode loop above, which only appends: a cache that is reordered,
-    cropped or reset afterwards needs DynamicLayer's own update back. A cache with other kinds of
-    layers (sliding-window, shared or linear-attention ones, which keep their own lengths) is left as it is:
-    the result says whether the cache was reserved. The room starts as zeros (CudaGraphDecode reads all of it)."""
-    from transformers.cache_utils import DynamicLayer
-
-    if any(type(layer) is not DynamicLayer for layer in cache.layers):
-        return False
-    for layer in cache.layers:
-        filled = layer.keys.shape[-2]
-        layer.room = []
-        for current in (layer.keys, layer.values):
-            room = current.new_zeros(*current.shape[:2], filled + tokens, current.shape[-1])
-            room[:, :, :filled] = current
-            layer.room.append(room)
-        layer.keys, layer.values = (room[:, :, :filled] for room in layer.room)
-        layer.update = functools.partial(write_in_place, layer)  # instead of DynamicLayer.update, for this layer
-    return True
-
-
-def write_in_place(layer, key_states: torch.Tensor, value_states: torch.Tensor, *args, **kwargs):
-    """A reserved layer's update: the new positions written after the filled ones, the views extended over them."""
-    start, end = layer.keys.shape[-2], layer.keys.shape[-2] + key_states.shape[-2]
-    for room, new in zip(layer.room, (key_states, value_states)):
-        room[:, :, start:end] = new
-    layer.keys, layer.values = (room[:, :, :end] for room in layer.room)
-    return layer.keys, layer.values
-
-
-class EagerDecode:
-    """A decode step as a plain forward: the new tokens (one per row) attend to the filled part of the cache.
-    `mask` is the rows' attention mask over the prompt (`width` columns, left-padded) and the completion;
-    `position` the position of each row's first new token."""
-
-    def __init__(self, model, cache, mask: torch.Tensor, position: torch.Tensor, width: int):
-        self.model, self.cache, self.mask, self.position, self.filled = model, cache, mask, position[:, None], width
-
-    def __call__(self, token: torch.Tensor) -> torch.Tensor:
-        """The logits that follow `token`, a row's next token for every row."""
-        self.filled += 1
-        logits = self.model(input_ids=token[:, None], attention_mask=self.mask[:, : self.filled], position_ids=self.position,
-                            **{kv_cache_name(): self.cache}, use_cache=True).logits[:, -1]
-        self.position = self.position + 1
-        return logits
-
-
-class CudaGraphDecode:
-    """A decode step captured once as a CUDA graph and replayed for every token: the same forward as EagerDecode,
-    without its launches. At 32 rows a decode step of a 3B model reads ~6 GB of weights (~2 ms on an H100), but
-    eagerly it launches some 15 small kernels per layer from Python, and the launches set its pace (docs/speed.md
-    has the figures). A graph replays all of them at once; in exchange every tensor it touches
-    must keep its address and shape from one step to the next. So the step reads its inputs from fixed tensors
-    (`token`, `position`, `column`), each layer writes its new key and value at `column` of the buffers that
-    reserve_cache made (`write_at_column`), and attention (`decode_attention`) runs over every reserved position with
-    a 4D mask that hides those not yet written (transformers takes a 4D mask as it is). Sampling stays outside the graph, so the
-    tokens still come from torch's generator and a resumed run replays them. `capture=False` runs the same
-    static step eagerly (how a CPU test checks it), as does a model whose forward cannot be captured."""
-
-    def __init__(self, model, cache, mask: torch.Tensor, position: torch.Tensor, width: int, capture: bool = True):
-        from transformers import AttentionInterface
-
-        self.model, self.cache = model, cache
-        room = cache.layers[0].room[0]
-        self.token, self.position = position.new_zeros(len(position), 1), position[:, None].clone()
-        self.column = position.new_full((1,), width)  # where the step writes its keys and values
-        self.bias = torch.zeros(len(position), 1, 1, room.shape[-2], dtype=room.dtype, device=room.device)  # added to attention's scores
-        self.bias[:, 0, 0, :width].masked_fill_(mask[:, :width] == 0, torch.finfo(room.dtype).min)  # the left padding
-        self.bias[:, 0, 0, width:] = torch.finfo(room.dtype).min  # the completion, until written
-        for layer in cache.layers:
-            layer.update = functools.partial(write_at_column, layer, self.column)
-        AttentionInterface.register("pods_decode", decode_attention)  # forward() switches the model to it
-        self.graph = None
-        if capture:
-            stream, side = torch.cuda.current_stream(), torch.cuda.Stream()
-            side.wait_stream(stream)  # a first forward off the graph: cuBLAS's and the allocator's setup are not captured
-            with torch.cuda.stream(side):
-                self.forward()  # writes column `width`, which the first step writes again
-            stream.wait_stream(side)
-            try:
-                graph = torch.cuda.CUDAGraph()
-                with torch.cuda.graph(graph):
-                    self.logits = self.forward()
-                self.graph = graph
-            except RuntimeError as err:  # a model whose forward cannot be captured (it reads a GPU value on the host, say)
-                torch.cuda.set_stream(stream)  # a failed capture can leave the capture's stream current
-                log.warning("decoding without CUDA graphs: capturing the decode step failed (%s)", str(err).splitlines()[0])
-
-    def forward(self) -> torch.Tensor:
-        config = self.model.config  # every attention layer reads its implementation from it at each forward
-        attention, config._attn_implementation = config._attn_implementation, "pods_decode"
-        try:
-            return self.model(input_ids=self.token, attention_mask=self.bias, position_ids=self.position,
-                              **{kv_cache_name(): self.cache}, use_cache=True).logits[:, -1]
-        finally:
-            config._attn_implementation = attention
-
-    def __call__(self, token: torch.Tensor) -> torch.Tensor:
-        """The logits that follow `token`; replayed, they are the same tensor every step (read them before the next)."""
-        self.token.copy_(token[:, None])
-        self.bias.index_fill_(3, self.column, 0.0)  # the token attends to itself and everything before it
-        if self.graph is None:
-            logits = self.forward()
-        else:
-            self.graph.replay()
-            logits = self.logits
-        self.position += 1
-        self.column += 1
-        return logits
-
-
-def decode_attention(module, query, key, value, attention_mask, scaling=None, dropout=0.0, **kwargs):
-    """CudaGraphDecode's attention (a transformers attention function): one new token per row, with the query heads
-    that share a key and value head (grouped-query attention) folded into the query's length, [rows, kv heads,
-    group, dim], against the keys and values as they are stored. Given a mask, transformers 5.19's sdpa copies every
-    key and value head to each query head it serves (repeat_kv: 8 copies at Qwen2.5-3B's shape, of the whole reserved
-    cache, in every layer, every step); folded, nothing is copied: a decode step of 8.2 ms instead of 12.4 (H100, 32
-    rows, 3B shape, transformers 5.19; docs/speed.md). transformers 5.24's sdpa folds them itself (`pack_gqa`).
-    The same products, equal up to rounding. Anything else (the prefill, models without grouped heads,
-    soft-capping or sinks) goes to transformers' sdpa."""
-    from transformers.integrations.sdpa_attention import sdpa_attention_forward
-
-    rows, heads, length, dim = query.shape
-    others = any(kwargs.get(name) is not None for name in ("softcap", "s_aux", "position_bias", "sliding_window"))
-    if length != 1 or key.shape[1] == heads or others:
-        return sdpa_attention_forward(module, query, key, value, attention_mask, scaling=scaling, dropout=dropout, **kwargs)
-    out = torch.nn.functional.scaled_dot_product_attention(query.view(rows, key.shape[1], heads // key.shape[1], dim),
-                                                           key, value, attn_mask=attention_mask, scale=scaling)
-    return out.reshape(rows, heads, 1, dim).transpose(1, 2), None  # [rows, 1, heads, dim], as transformers' sdpa returns it
-
-
-def write_at_column(layer, column: torch.Tensor, key_states: torch.Tensor, value_states: torch.Tensor, *args, **kwargs):
-    """A reserved layer's update in a captured step: the new key and value written at `column` (a tensor, read when
-    the graph replays), and the whole of each buffer returned, its unwritten positions masked by the caller."""
-    for room, new in zip(layer.room, (key_states, value_states)):
-        room.index_copy_(2, column, new)
-    return layer.room[0], layer.room[1]
 
 
 def last_positions(count: int, length: int, device) -> torch.Tensor:

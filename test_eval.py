@@ -13,6 +13,7 @@ import pytest
 import torch
 
 import data
+import decode
 import eval as evaluation  # eval.py; `eval` is a builtin name
 import model as models
 import plot
@@ -80,16 +81,18 @@ def test_eval_reuses_the_base_model_result_across_runs(tiny_run, tmp_path, caplo
     assert [r["checkpoint"] for r in again] == ["base", "checkpoint-1", "checkpoint-2"] and again[0] == base
 
 
-def test_eval_does_not_reuse_a_base_result_sampled_by_other_generation_code(tmp_path, monkeypatch):
+@pytest.mark.parametrize("source", ["sampling", "decode"])
+def test_eval_does_not_reuse_a_base_result_sampled_by_other_generation_code(tmp_path, monkeypatch, source):
+    module = {"sampling": sampling, "decode": decode}[source]
     settings = evaluation.Settings("arith", 4, samples=1, repeats=1, temperature=0.9, max_new_tokens=8)
-    same = tmp_path / "sampling.py"
-    same.write_bytes(Path(sampling.__file__).read_bytes())
+    same = tmp_path / f"{source}.py"
+    same.write_bytes(Path(module.__file__).read_bytes())
     before = evaluation.base_cache_file("model", settings)
-    monkeypatch.setattr(sampling, "__file__", str(same))
+    monkeypatch.setattr(module, "__file__", str(same))
     assert evaluation.base_cache_file("model", settings) == before  # the same code: the cached result is reused
     same.write_bytes(same.read_bytes() + b"\n# a changed sampler\n")
     assert evaluation.base_cache_file("model", settings) != before  # a new sampler's random stream: evaluated again
-    assert {"sampling.py", "torch", "transformers"} <= evaluation.generation_code().keys()
+    assert {"sampling.py", "decode.py", "torch", "transformers"} <= evaluation.generation_code().keys()
 
 
 def test_eval_defaults_to_the_runs_generation_settings_and_redoes_retrained_checkpoints(tiny_run, tmp_path, caplog):

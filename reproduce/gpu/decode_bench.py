@@ -2,7 +2,7 @@
 32 rows, for the CUDA-graph step (the default), the eager step (--no-cuda-graph) and an older commit's sampler
 (.gpu/old, prepare.sh with OLD=COMMIT), on one model loaded once, back to back; then each one's busiest CUDA
 kernels (torch.profiler), which name the attention kernel that runs; and the graph with transformers' sdpa in
-place of sampling.decode_attention. check.sh's `decode` stage:
+place of decode.decode_attention. check.sh's `decode` stage:
     python3 reproduce/gpu/decode_bench.py --model DIR [--old .gpu/old] [--tokens 128] [--rows 32]
 Each variant generates once at 16 tokens (CUDA's first calls), then `--tokens` tokens per row, timed; random
 weights never stop early, so every step decodes every row and ms/step = seconds / tokens (the prefill included).
@@ -21,16 +21,28 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, os.getcwd())
-import sampling  # noqa: E402 - the checkout's, from the repository root
+import decode  # noqa: E402 - the checkout's, from the repository root
+import sampling  # noqa: E402
 from model import load_policy  # noqa: E402
 
 
 def old_sampling(tree: Path):
-    """The older commit's sampling.py, as a module of its own (its other imports are the checkout's)."""
-    spec = importlib.util.spec_from_file_location("old_sampling", tree / "sampling.py")
-    module = sys.modules[spec.name] = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+    """The older commit's sampling.py, as a module of its own, with its decode.py where it has one (since the decode
+    step moved there); its other imports are the checkout's."""
+    def load(name: str):
+        spec = importlib.util.spec_from_file_location(f"old_{name}", tree / f"{name}.py")
+        module = sys.modules[spec.name] = importlib.util.module_from_spec(spec)
+        spec.loader.exec_module(module)
+        return module
+
+    if not (tree / "decode.py").exists():
+        return load("sampling")
+    checkout = sys.modules["decode"]
+    sys.modules["decode"] = load("decode")  # what the old sampling.py's `from decode import ...` finds
+    try:
+        return load("sampling")
+    finally:
+        sys.modules["decode"] = checkout
 
 
 def synchronize() -> None:
@@ -40,18 +52,18 @@ def synchronize() -> None:
 
 @contextlib.contextmanager
 def transformers_sdpa(on: bool):
-    """While on, CudaGraphDecode attends with transformers' own sdpa instead of sampling.decode_attention: what
+    """While on, CudaGraphDecode attends with transformers' own sdpa instead of decode.decode_attention: what
     folding the grouped-query heads saves under transformers 5.19 (repeat_kv under the mask; 5.24's sdpa folds
     them itself, so there the two variants run the same kernels)."""
     from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
-    folded = sampling.decode_attention
+    folded = decode.decode_attention
     if on:
-        sampling.decode_attention = sdpa_attention_forward
+        decode.decode_attention = sdpa_attention_forward
     try:
         yield
     finally:
-        sampling.decode_attention = folded
+        decode.decode_attention = folded
 
 
 def timed(sampler, prompt: list[int], rows: int, tokens: int) -> float:

@@ -1,5 +1,5 @@
-"""reproduce/gpu/: the GPU check's parts that run without a GPU: the summary from constructed logs (summary.py) and
-check.sh's refusal of an unknown stage (TRL's checkpointing keyword: test_trl_pods.py). The check itself needs a CUDA GPU: bash reproduce/gpu/check.sh (README.md beside this file)."""
+"""reproduce/gpu/: the GPU check's parts that run without a GPU: the summary from constructed logs (summary.py),
+decode_bench.py's loading of an older tree, and check.sh's refusal of an unknown stage (TRL's checkpointing keyword: test_trl_pods.py). The check itself needs a CUDA GPU: bash reproduce/gpu/check.sh (README.md beside this file)."""
 
 from __future__ import annotations
 
@@ -102,3 +102,19 @@ def test_check_sh_refuses_an_unknown_stage_in_one_line_before_doing_anything(tmp
     assert result.returncode == 2 and result.stdout == ""
     assert result.stderr == "check.sh: unknown stage 'tset'; choose from: tests decode pods old trl grpo vllm\n"
     assert not (tmp_path / "out").exists()
+
+
+def test_decode_bench_times_an_older_tree_with_its_own_decode_step(tmp_path):
+    """decode_bench.py's `old` variant: the older tree's sampling.py, and its decode.py where it has one (the decode
+    step moved there on 28 November), not the checkout's; the checkout's decode module stays in place."""
+    import sys
+
+    import decode_bench
+
+    root = HERE.parent.parent
+    (tmp_path / "sampling.py").write_bytes((root / "sampling.py").read_bytes())
+    (tmp_path / "decode.py").write_text((root / "decode.py").read_text() + "\nOLDER_TREE = True\n")
+    checkout = sys.modules["decode"]
+    old = decode_bench.old_sampling(tmp_path)
+    assert sys.modules[old.CudaGraphDecode.__module__].OLDER_TREE and old.reserve_cache is not checkout.reserve_cache
+    assert sys.modules["decode"] is checkout and not hasattr(checkout, "OLDER_TREE")
