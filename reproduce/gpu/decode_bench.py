@@ -5,7 +5,8 @@ kernels (torch.profiler), which name the attention kernel that runs; and the gra
 place of decode.decode_attention. check.sh's `decode` stage:
     python3 reproduce/gpu/decode_bench.py --model DIR [--old .gpu/old] [--tokens 128] [--rows 32]
 Each variant generates once at 16 tokens (CUDA's first calls), then `--tokens` tokens per row, timed; random
-weights never stop early, so every step decodes every row and ms/step = seconds / tokens (the prefill included).
+weights never stop early, so every step decodes every row and ms/step = seconds / tokens (the prefill included,
+and for the graph its capture, once per generate call: printed apart, with torch.cuda.graph's empty_cache in it).
 """
 
 from __future__ import annotations
@@ -66,6 +67,27 @@ def transformers_sdpa(on: bool):
         decode.decode_attention = folded
 
 
+@contextlib.contextmanager
+def capture_times(record: list[float]):
+    """While on, the seconds each CudaGraphDecode the sampler builds takes go to `record`: a warm-up forward and the
+    capture, with what torch.cuda.graph does first (a synchronize and empty_cache), once per generate call."""
+    build = sampling.CudaGraphDecode
+
+    def timed_build(*args, **kwargs):
+        synchronize()
+        start = time.perf_counter()
+        step = build(*args, **kwargs)
+        synchronize()
+        record.append(time.perf_counter() - start)
+        return step
+
+    sampling.CudaGraphDecode = timed_build
+    try:
+        yield
+    finally:
+        sampling.CudaGraphDecode = build
+
+
 def timed(sampler, prompt: list[int], rows: int, tokens: int) -> float:
     """Seconds for one generate call of `rows` rollouts of `tokens` tokens (after one of 16: CUDA's first calls)."""
     sampler.max_new_tokens = 16
@@ -115,12 +137,14 @@ def main() -> None:
     variants["graph, sdpa"] = sampling.HFSampler(model, tokenizer, 16, 0.9, share_prompt=False, cuda_graph=True)
     print(f"decode: {args.rows} rows, {len(prompt)} prompt tokens, {args.tokens} new tokens, {model.dtype}, "
           f"{torch.cuda.get_device_name() if device == 'cuda' else 'CPU'}, torch {torch.__version__}")
-    seconds = {}
+    seconds, captures = {}, []
     for name, sampler in variants.items():
-        with transformers_sdpa(name == "graph, sdpa"):
+        with transformers_sdpa(name == "graph, sdpa"), capture_times(captures if name == "graph" else []):
             seconds[name] = timed(sampler, prompt, args.rows, args.tokens)
         print(f"decode: {name:14s} {1000 * seconds[name] / args.tokens:7.2f} ms/step  ({seconds[name]:.2f} s), "
               f"CUDA peak allocated {torch.cuda.max_memory_allocated() / 2**30 if device == 'cuda' else 0:.2f} GiB so far", flush=True)
+    if captures:  # the timed call's, after the first call's
+        print(f"decode: the graph's setup and capture {1000 * captures[-1]:.0f} ms of its {seconds['graph']:.2f} s (once per generate call)")
     for name in ("graph", "eager"):
         print(f"decode: {name} / {', '.join(f'{other} {seconds[name] / seconds[other]:.2f}' for other in seconds if other != name)}")
     for name, sampler in variants.items():

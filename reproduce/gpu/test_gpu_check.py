@@ -118,3 +118,16 @@ def test_decode_bench_times_an_older_tree_with_its_own_decode_step(tmp_path):
     old = decode_bench.old_sampling(tmp_path)
     assert sys.modules[old.CudaGraphDecode.__module__].OLDER_TREE and old.reserve_cache is not checkout.reserve_cache
     assert sys.modules["decode"] is checkout and not hasattr(checkout, "OLDER_TREE")
+
+
+def test_decode_bench_times_each_graph_capture_and_puts_the_sampler_back(monkeypatch):
+    import decode_bench
+    import sampling
+
+    built = []
+    monkeypatch.setattr(sampling, "CudaGraphDecode", lambda *args, **kwargs: built.append(args) or "step")
+    stand_in, record = sampling.CudaGraphDecode, []
+    with decode_bench.capture_times(record):
+        assert sampling.CudaGraphDecode("model", "cache") == "step"
+    assert built == [("model", "cache")] and len(record) == 1 and record[0] >= 0
+    assert sampling.CudaGraphDecode is stand_in
