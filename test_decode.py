@@ -87,6 +87,32 @@ def test_the_static_decode_step_never_reads_a_tensor_on_the_host_so_a_cuda_graph
     assert static.found == [] and control.found == ["is_nonzero.default"]
 
 
+def test_the_static_step_attends_through_decode_attention_in_every_layer_and_gives_the_model_its_attention_back(
+        tiny_model_dir, monkeypatch):
+    """CudaGraphDecode switches the model's attention to decode_attention only inside its own forward: every layer of
+    every step goes through it with one new token per row (the folded path), and the prefill's attention before and
+    the model's setting after are transformers' own."""
+    calls = []
+    folded = decode.decode_attention
+    monkeypatch.setattr(decode, "decode_attention", lambda module, query, *args, **kwargs: calls.append(query.shape) or folded(
+        module, query, *args, **kwargs))
+    model, tokenizer = lora_policy(tiny_model_dir)
+    clone = sampling.merged_copy(model, torch.float32)
+    attention = clone.config._attn_implementation
+    with torch.inference_mode():
+        prompt, mask = torch.tensor([[5, 6, 7, 8], [2, 9, 10, 11]]), torch.tensor([[1, 1, 1, 1], [0, 1, 1, 1]])
+        out = clone(input_ids=prompt, attention_mask=mask, position_ids=(mask.cumsum(1) - 1).clamp(min=0), use_cache=True)
+        cache = getattr(out, decode.kv_cache_name())
+        assert decode.reserve_cache(cache, 4) and calls == []
+        step = decode.CudaGraphDecode(clone, cache, torch.cat([mask, mask.new_ones(2, 4)], dim=1), mask.sum(1), 4, capture=False)
+        step(torch.tensor([12, 13]))
+        step(torch.tensor([14, 15]))
+    layers, heads = clone.config.num_hidden_layers, clone.config.num_attention_heads
+    assert heads > clone.config.num_key_value_heads  # grouped-query attention: decode_attention folds it
+    assert calls == [torch.Size([2, heads, 1, clone.config.head_dim])] * (2 * layers)
+    assert clone.config._attn_implementation == attention
+
+
 @pytest.mark.parametrize("layout", ["contiguous", "heads-last"])
 def test_decode_attention_folds_grouped_heads_into_the_query_and_gives_attention_over_repeated_heads(monkeypatch, layout):
     """One new token per row, 8 query heads on 2 key/value heads, a mask hiding some positions: the folded product
