@@ -1,6 +1,6 @@
 """The decode step of the transformers sampler: the next token of every row through the model and its KV cache.
 
-sampling.HFSampler prefills the prompts, then calls `step(token) -> logits` once per generated token, sampling
+sampling.HFSampler prefills the prompts, then calls `decode_step(token) -> logits` once per generated token, sampling
 between calls. That step is where transformers generation spends its time, so this file holds the ways it is made
 fast, each measured (docs/speed.md); they compute the same distribution, up to rounding:
 - `reserve_cache`: the KV cache written in place, not grown by concatenation at every token (`release_cache` after).
