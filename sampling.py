@@ -99,13 +99,14 @@ class HFSampler:
     each distinct prompt once, copy its KV cache to its n rows, then decode one token per row per
     step until every row has stopped.
 
-    Four measured speed mechanisms (docs/speed.md has the figures), the first two below, the others in decode.py:
+    Five measured speed mechanisms (docs/speed.md has the figures), the first three below, the others in decode.py:
     - `merged_copy` (with `merged=True`): decode with a copy of the policy whose LoRA is merged
       into its weights, in `merged_dtype`, refreshed by `update_weights` after every update (how
       vLLM serves a LoRA on a GPU). Without it every forward runs peft's ~210 extra adapter
       matmuls.
     - `sample_tokens`: inverse-transform sampling, one random number per row instead of one per
       vocabulary entry.
+    - `last_positions`: the prefill's LM head on the last position only, asked for by index.
     - `decode.reserve_cache`: the KV cache written in place, not grown by concatenation at every token.
     - `decode.CudaGraphDecode` (on a GPU, with `cuda_graph=True`): each decode step replayed as one CUDA graph
       instead of ~15 kernel launches per layer from Python.
