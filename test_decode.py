@@ -54,6 +54,20 @@ def test_the_cuda_graphs_static_decode_step_generates_what_the_eager_one_does(ti
 
 
 
+def static_step(tiny_model_dir):
+    """The tiny model's merged float32 copy, prefilled with two prompts (one left-padded), and CudaGraphDecode's step
+    over its cache reserved for 4 more tokens, not captured. Made under inference mode, as the sampler makes it: call
+    the step there too."""
+    model, _ = lora_policy(tiny_model_dir)
+    clone = sampling.merged_copy(model, torch.float32)
+    with torch.inference_mode():
+        prompt, mask = torch.tensor([[5, 6, 7, 8], [2, 9, 10, 11]]), torch.tensor([[1, 1, 1, 1], [0, 1, 1, 1]])
+        out = clone(input_ids=prompt, attention_mask=mask, position_ids=(mask.cumsum(1) - 1).clamp(min=0), use_cache=True)
+        cache = getattr(out, decode.kv_cache_name())
+        assert decode.reserve_cache(cache, 4)
+        return clone, decode.CudaGraphDecode(clone, cache, torch.cat([mask, mask.new_ones(2, 4)], dim=1), mask.sum(1), 4, capture=False)
+
+
 def test_the_static_decode_step_never_reads_a_tensor_on_the_host_so_a_cuda_graph_can_capture_it(tiny_model_dir):
     """A CUDA graph cannot capture an operation that brings a value back to the host (`.item()`, a bool of a
     tensor, `nonzero`, ...): the capture fails. Checked here on a CPU, operation by operation: CudaGraphDecode's step
@@ -72,14 +86,8 @@ def test_the_static_decode_step_never_reads_a_tensor_on_the_host_so_a_cuda_graph
                 self.found.append(func.__name__)
             return func(*args, **(kwargs or {}))
 
-    model, tokenizer = lora_policy(tiny_model_dir)
-    clone = sampling.merged_copy(model, torch.float32)
+    _, step = static_step(tiny_model_dir)
     with torch.inference_mode():
-        prompt, mask = torch.tensor([[5, 6, 7, 8], [2, 9, 10, 11]]), torch.tensor([[1, 1, 1, 1], [0, 1, 1, 1]])
-        out = clone(input_ids=prompt, attention_mask=mask, position_ids=(mask.cumsum(1) - 1).clamp(min=0), use_cache=True)
-        cache = getattr(out, decode.kv_cache_name())
-        assert decode.reserve_cache(cache, 4)
-        step = decode.CudaGraphDecode(clone, cache, torch.cat([mask, mask.new_ones(2, 4)], dim=1), mask.sum(1), 4, capture=False)
         with HostReads() as static:
             logits = step(torch.tensor([12, 13]))
         with HostReads() as control:
@@ -96,15 +104,10 @@ def test_the_static_step_attends_through_decode_attention_in_every_layer_and_giv
     folded = decode.decode_attention
     monkeypatch.setattr(decode, "decode_attention", lambda module, query, *args, **kwargs: calls.append(query.shape) or folded(
         module, query, *args, **kwargs))
-    model, tokenizer = lora_policy(tiny_model_dir)
-    clone = sampling.merged_copy(model, torch.float32)
+    clone, step = static_step(tiny_model_dir)
     attention = clone.config._attn_implementation
+    assert calls == []  # the prefill attends with transformers' own
     with torch.inference_mode():
-        prompt, mask = torch.tensor([[5, 6, 7, 8], [2, 9, 10, 11]]), torch.tensor([[1, 1, 1, 1], [0, 1, 1, 1]])
-        out = clone(input_ids=prompt, attention_mask=mask, position_ids=(mask.cumsum(1) - 1).clamp(min=0), use_cache=True)
-        cache = getattr(out, decode.kv_cache_name())
-        assert decode.reserve_cache(cache, 4) and calls == []
-        step = decode.CudaGraphDecode(clone, cache, torch.cat([mask, mask.new_ones(2, 4)], dim=1), mask.sum(1), 4, capture=False)
         step(torch.tensor([12, 13]))
         step(torch.tensor([14, 15]))
     layers, heads = clone.config.num_hidden_layers, clone.config.num_attention_heads
