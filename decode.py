@@ -95,6 +95,14 @@ class EagerDecode:
         return logits
 
 
+@functools.cache
+def capture_stream(device: torch.device) -> torch.cuda.Stream:
+    """The one stream on which every CudaGraphDecode warms up and captures its step. cuBLAS keeps a workspace for each
+    stream it has run on (32 MiB on an H100/H200) until the process ends, so a new stream at every generation held
+    32 MiB more each time, up to torch's pool of 32 streams (1 GiB; docs/gpu.md)."""
+    return torch.cuda.Stream(device)
+
+
 class CudaGraphDecode:
     """A decode step captured once as a CUDA graph and replayed for every token: the same forward as EagerDecode,
     without its launches. At 32 rows a decode step of a 3B model reads ~6 GB of weights (~2 ms on an H100), but
@@ -122,14 +130,14 @@ class CudaGraphDecode:
         AttentionInterface.register("pods_decode", decode_attention)  # forward() switches the model to it
         self.graph = None
         if capture:
-            stream, side = torch.cuda.current_stream(), torch.cuda.Stream()
+            stream, side = torch.cuda.current_stream(), capture_stream(room.device)
             side.wait_stream(stream)  # a first forward off the graph: cuBLAS's and the allocator's setup are not captured
             with torch.cuda.stream(side):
                 self.forward()  # writes column `width`, which the first step writes again
             stream.wait_stream(side)
             try:
                 graph = torch.cuda.CUDAGraph()
-                with torch.cuda.graph(graph):
+                with torch.cuda.graph(graph, stream=side):
                     self.logits = self.forward()
                 self.graph = graph
             except RuntimeError as err:  # a model whose forward cannot be captured (it reads a GPU value on the host, say)
