@@ -108,7 +108,7 @@ def busiest_kernels(sampler, prompt: list[int], rows: int, top: int = 8) -> list
     from torch.profiler import ProfilerActivity, profile
 
     sampler.max_new_tokens = 8
-    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+    with profile(activities=[ProfilerActivity.CUDA], acc_events=True) as prof:  # acc_events: no warning when profiled twice
         sampler.generate([prompt], rows)
         torch.cuda.synchronize()
     events = [e for e in prof.key_averages() if e.device_type.name == "CUDA"]

@@ -26,6 +26,7 @@ ROWS = {  # the timed stages, in the table's order
 }
 RATIOS = (("pods", "trl"), ("grpo", "trl"), ("pods", "grpo"), ("pods", "old"))  # step time of the first / the second
 PEAK = re.compile(r"CUDA peak allocated ([\d.]+) GiB, reserved ([\d.]+) GiB")
+PHASES = re.compile(r"in the update ([\d.]+) GiB allocated, outside it ([\d.]+)")  # peak.py's split of the peak
 TIMED_OUT = {"124", "137"}  # timeout(1)'s exit status, and a KILL after its grace period
 
 
@@ -111,7 +112,7 @@ def summary(logs: Path) -> str:
         out += [f"  {line}" for line in read(logs / "decode.log").splitlines() if line.startswith(("decode:", "kernels", "  "))]
     lines = [["stage", "what", "steps", "generation s", "ms/token", "update s", "step s", "peak GiB alloc/reserved",
               "completion len", "sampler gap", "status"]]
-    step_s, failures = {}, []
+    step_s, failures, phases = {}, [], []
     for stage, what in ROWS.items():
         if stage not in status:
             continue
@@ -120,6 +121,8 @@ def summary(logs: Path) -> str:
             step_s[stage] = means["step_s"]
         log = read(logs / f"{stage}.log")
         memory = peak(log)
+        if split := PHASES.findall(log):
+            phases.append(f"{stage} {split[-1][0]} in the update, {split[-1][1]} outside it")
         if status[stage][0] not in ("0", "skipped", *TIMED_OUT):
             failures.append(f"{stage} failed: {(log.strip().splitlines() or ['(no output)'])[-1][:200]}")
         lines.append([stage, what.format(old=env.get("old", "OLD")), "-".join(map(str, means["steps"])) or "-",
@@ -132,6 +135,8 @@ def summary(logs: Path) -> str:
         out += ["", *table(lines)]
         out.append(f"seconds: means over steps {'-'.join(map(str, TIMED_STEPS))} (step 1 holds CUDA's first calls); "
                    f"peak: torch.cuda's over the whole run")
+        if phases:
+            out.append("peak GiB allocated by phase: " + "; ".join(phases))
         out += failures
     ratios = [f"{a} / {b} {step_s[a] / step_s[b]:.2f}" for a, b in RATIOS if a in step_s and b in step_s]
     if ratios:

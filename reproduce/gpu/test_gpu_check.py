@@ -1,5 +1,5 @@
 """reproduce/gpu/: the GPU check's parts that run without a GPU: the summary from constructed logs (summary.py),
-decode_bench.py's loading of an older tree, and check.sh's refusal of an unknown stage (TRL's checkpointing keyword: test_trl_pods.py). The check itself needs a CUDA GPU: bash reproduce/gpu/check.sh (README.md beside this file)."""
+decode_bench.py's loading of an older tree, peak.py's split of the peak at the update, and check.sh's refusal of an unknown stage (TRL's checkpointing keyword: test_trl_pods.py). The check itself needs a CUDA GPU: bash reproduce/gpu/check.sh (README.md beside this file)."""
 
 from __future__ import annotations
 
@@ -10,6 +10,7 @@ from pathlib import Path
 
 import pytest
 import summary
+import torch
 
 HERE = Path(__file__).parent
 ENV = {"card": "NVIDIA H200, 143771 MiB", "date": "2026-11-28 10:12 UTC", "commit": "75ef33d with uncommitted changes",
@@ -39,7 +40,8 @@ def logs(tmp_path) -> Path:
     (tmp_path / "status.txt").write_text("tests\t1\t97\ndecode\t0\t41\npods\t0\t104\nold\t0\t150\ntrl\t124\t190\ngrpo\t0\t112\n"
                                          "vllm\tskipped\tvLLM does not import here\n")
     write_stage(tmp_path, "pods", [(48.0, 3.5), (15.0, 2.0), (16.0, 2.2)], "train.main exit 0 after 99 s; "
-                "CUDA peak allocated 14.27 GiB, reserved 15.21 GiB", completion_len=512.0, sampler_gap_mean=0.027)
+                "CUDA peak allocated 14.27 GiB, reserved 15.21 GiB; in the update 14.27 GiB allocated, outside it 13.10",
+                completion_len=512.0, sampler_gap_mean=0.027)
     write_stage(tmp_path, "old", [(50.0, 3.5), (45.0, 2.0), (47.0, 2.0)], "CUDA peak allocated 15.10 GiB, reserved 16.00 GiB")
     write_stage(tmp_path, "grpo", [(50.0, 5.0), (15.0, 5.0), (16.0, 4.0)], "CUDA peak allocated 14.50 GiB, reserved 15.50 GiB")
     write_stage(tmp_path, "trl", [(55.0, 5.0), (50.0, 4.0)], None, completion_len=512.0)  # stopped in step 3: no peak
@@ -57,6 +59,31 @@ def test_summary_times_steps_2_and_3_only_and_divides_step_times_by_trls(logs):
     assert rows["trl"] == ["GRPO, TRL GRPOTrainer", "2", "50.0", "97.7", "4.0", "54.0", "-", "512", "-", "timed out at 190 s"]
     assert rows["vllm"][-1] == "skipped: vLLM does not import here"
     assert "step time ratios: pods / trl 0.33, grpo / trl 0.37, pods / grpo 0.88, pods / old 0.37" in text.splitlines()
+    assert "peak GiB allocated by phase: pods 14.27 in the update, 13.10 outside it" in text.splitlines()  # old: no split
+
+
+@pytest.mark.pure
+def test_peak_py_splits_the_peak_at_the_update_and_keeps_the_whole_runs(monkeypatch):
+    """peak.PhasePeaks on a stand-in for torch.cuda's one peak counter: over 5 GiB of weights, generation takes 4 GiB
+    more, the update 12 and a checkpoint after it 5; the update's peak is its own, the whole run's the larger."""
+    import peak
+
+    memory = {"now": 0, "peak": 0}
+
+    def allocate(gib: float) -> None:  # a tensor of `gib` made and freed
+        memory["peak"] = max(memory["peak"], memory["now"] + gib * 2**30)
+
+    monkeypatch.setattr(torch.cuda, "max_memory_allocated", lambda: memory["peak"])
+    monkeypatch.setattr(torch.cuda, "max_memory_reserved", lambda: memory["peak"] + 2**30)
+    monkeypatch.setattr(torch.cuda, "reset_peak_memory_stats", lambda: memory.update(peak=memory["now"]))
+    peaks = peak.PhasePeaks()
+    update = peaks.wrap(lambda rows: allocate(12) or rows)
+    memory["now"] = 5 * 2**30  # the weights
+    allocate(4)  # generation
+    assert update("rows") == "rows"
+    allocate(5)  # a checkpoint
+    assert peaks.line() == ("CUDA peak allocated 17.00 GiB, reserved 18.00 GiB; "
+                            "in the update 17.00 GiB allocated, outside it 10.00")
 
 
 @pytest.mark.pure
