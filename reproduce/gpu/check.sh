@@ -63,7 +63,7 @@ python3 -c "import torch, sys; sys.exit(not torch.cuda.is_available())" || { ech
 source "$HERE/carry-vllm/env.sh" 2>/dev/null  # vLLM 0.25.0 where reproduce/gpu/carry-vllm/receive.sh unpacked it (carry-vllm/README.md)
 # found, not imported (importing vLLM takes ~30 s); the vllm stage and the vLLM tests say so where it does not import
 python3 -c "import importlib.util as u, sys; sys.exit(u.find_spec('vllm') is None)" 2>/dev/null && has_vllm=yes || has_vllm=
-[[ $has_vllm ]] && SHARE[tests]=60  # the vLLM tests start vLLM four times (~2 minutes each on an H100, 28 November)
+[[ $has_vllm ]] && SHARE[tests]=60  # the tests start vLLM three times (2-3 minutes each on an H100 or H200, 28 November)
 if line=$(python3 "$HERE/make_models.py" embedded "$WORK/cache"); then  # the CUDA tests' model, in PODS_CACHE
   PODS_CACHE=$(dirname "${line%%$'\t'*}") embedded_what=${line#*$'\t'}
   export PODS_CACHE
