@@ -31,7 +31,6 @@ def test_a_reserved_cache_generates_what_a_growing_one_does(tiny_model_dir, monk
     assert len({tuple(ids) for ids, _ in reserved}) > 2
 
 
-
 @pytest.mark.parametrize("merged", [False, True])
 def test_the_cuda_graphs_static_decode_step_generates_what_the_eager_one_does(tiny_model_dir, monkeypatch, merged):
     """CudaGraphDecode's step run eagerly (capture=False: a CPU has no CUDA graphs): keys and values written at a
@@ -51,7 +50,6 @@ def test_the_cuda_graphs_static_decode_step_generates_what_the_eager_one_does(ti
     assert [ids for ids, _ in static] == [ids for ids, _ in eager]
     assert torch.allclose(torch.tensor([lp for _, lps in static for lp in lps]), torch.tensor([lp for _, lps in eager for lp in lps]), atol=1e-5)
     assert len({tuple(ids) for ids, _ in static}) > 2
-
 
 
 def static_step(tiny_model_dir):
