@@ -18,7 +18,8 @@
 # Each stage may take its SHARE of BUDGET (the last one all that is left) and no more than is left of it; one stopped
 # there reports the steps it finished.
 # OUT (default runs/gpu-check) receives last_check.txt (the summary), check.log (all printed here) and logs.tar.gz
-# (each stage's log and metrics); WORK (default /tmp/pods-gpu-check) holds the models, runs and logs.
+# (each stage's log and metrics); WORK (default /tmp/pods-gpu-check) holds the models, runs and logs. WHEELS (default
+# .gpu/whl, from prepare.sh) is installed into WORK/site where its versions are not those installed.
 set -u
 cd "$(dirname "$0")/../.." || exit 1
 ORDER=(tests decode pods old trl grpo vllm)
@@ -49,13 +50,15 @@ for name in sys.argv[1:]:
 }
 
 say "setup: stages ${stages[*]}; $TOKENS new tokens; BUDGET $BUDGET s"
-if [[ -d .gpu/whl ]]; then  # prepared by prepare.sh for a machine without the hub and without the GPU set's packages
+WHEELS=${WHEELS:-.gpu/whl}
+if [[ -d $WHEELS ]]; then  # prepared by prepare.sh for a machine without the hub and without the GPU set's packages
   export HF_HUB_OFFLINE=1 HF_DATASETS_OFFLINE=1 TRANSFORMERS_OFFLINE=1 PYTHONPATH=$WORK/site${PYTHONPATH:+:$PYTHONPATH}
-  wheels=(.gpu/whl/*.whl) wanted=()
+  wheels=("$WHEELS"/*.whl) wanted=()
   for wheel in "${wheels[@]}"; do IFS=- read -r name version _ <<<"${wheel##*/}"; wanted+=("$name $version"); done
   if [[ $(installed "${wanted[@]%% *}") != "$(printf '%s\n' "${wanted[@]}")" ]]; then
-    echo "installing from .gpu/whl into $WORK/site: ${wanted[*]}"
-    python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target "$WORK/site" "${wheels[@]}" || exit 1
+    echo "installing from $WHEELS into $WORK/site: ${wanted[*]}"
+    rm -rf "$WORK/site"  # afresh: pip --target --upgrade leaves the older version's dist-info, which metadata then reports
+    python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --target "$WORK/site" "${wheels[@]}" || exit 1
   fi
 fi
 card=$(nvidia-smi --query-gpu=name,memory.total --format=csv,noheader 2>/dev/null | head -n 1)
