@@ -1,11 +1,13 @@
 """reproduce/gpu/: the GPU check's parts that run without a GPU: the summary from constructed logs (summary.py),
-decode_bench.py's loading of an older tree, peak.py's split of the peak at the update, and check.sh's refusal of an unknown stage (TRL's checkpointing keyword: test_trl_pods.py). The check itself needs a CUDA GPU: bash reproduce/gpu/check.sh (README.md beside this file)."""
+decode_bench.py's loading of an older tree, peak.py's split of the peak at the update, check.sh's refusal of an unknown stage and its install of a wheel set (TRL's checkpointing keyword: test_trl_pods.py). The check itself needs a CUDA GPU: bash reproduce/gpu/check.sh (README.md beside this file)."""
 
 from __future__ import annotations
 
 import json
 import re
 import subprocess
+import sys
+import zipfile
 from pathlib import Path
 
 import pytest
@@ -129,6 +131,33 @@ def test_check_sh_refuses_an_unknown_stage_in_one_line_before_doing_anything(tmp
     assert result.returncode == 2 and result.stdout == ""
     assert result.stderr == "check.sh: unknown stage 'tset'; choose from: tests decode pods old trl grpo vllm\n"
     assert not (tmp_path / "out").exists()
+
+
+def fake_wheel(folder: Path, name: str, version: str) -> None:
+    """A pure-Python wheel of an empty package, enough for pip to install."""
+    folder.mkdir(parents=True, exist_ok=True)
+    info = f"{name}-{version}.dist-info"
+    files = {f"{name}/__init__.py": "", f"{info}/METADATA": f"Metadata-Version: 2.1\nName: {name}\nVersion: {version}\n",
+             f"{info}/WHEEL": "Wheel-Version: 1.0\nGenerator: test\nRoot-Is-Purelib: true\nTag: py3-none-any\n"}
+    files[f"{info}/RECORD"] = "".join(f"{path},,\n" for path in [*files, f"{info}/RECORD"])
+    with zipfile.ZipFile(folder / f"{name}-{version}-py3-none-any.whl", "w") as wheel:
+        for path, text in files.items():
+            wheel.writestr(path, text)
+
+
+@pytest.mark.pure
+def test_check_sh_installs_another_wheel_set_afresh_so_the_header_names_what_runs(tmp_path):
+    """WHEELS (the CUDA tests again with another transformers, in one call): the second set replaces the first whole.
+    pip --target --upgrade had left the first version's dist-info beside the second's code, and the header named it."""
+    work = tmp_path / "work"
+    env = {"PATH": f"{Path(sys.executable).parent}:/usr/bin:/bin", "OUT": str(tmp_path / "out"), "CUDA_VISIBLE_DEVICES": ""}
+    for version in ("1.0", "2.0"):
+        fake_wheel(tmp_path / version, "podsfakepkg", version)
+        result = subprocess.run(["bash", str(HERE / "check.sh"), "tests"], capture_output=True, text=True,
+                                env={**env, "WORK": str(work), "WHEELS": str(tmp_path / version)}, timeout=120)
+        assert f"installing from {tmp_path / version} into {work}/site: podsfakepkg {version}" in result.stdout, result.stdout
+        assert sorted(p.name for p in (work / "site").iterdir()) == ["podsfakepkg", f"podsfakepkg-{version}.dist-info"]
+    assert result.returncode == 1 and "torch sees no CUDA GPU here" in result.stdout  # this machine's end of the check
 
 
 def test_decode_bench_times_an_older_tree_with_its_own_decode_step(tmp_path):
