@@ -163,8 +163,6 @@ def test_check_sh_installs_another_wheel_set_afresh_so_the_header_names_what_run
 def test_decode_bench_times_an_older_tree_with_its_own_decode_step(tmp_path):
     """decode_bench.py's `old` variant: the older tree's sampling.py, and its decode.py where it has one (the decode
     step moved there on 28 November), not the checkout's; the checkout's decode module stays in place."""
-    import sys
-
     import decode_bench
 
     root = HERE.parent.parent
