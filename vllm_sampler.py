@@ -236,9 +236,10 @@ class VLLMSampler:
 
     def release_memory(self) -> None:
         """Free the KV cache for the update (--vllm-sleep): level-0 sleep keeps the weights and the
-        LoRA state; the cache is reallocated by `wake_up` before the next generation. vLLM 0.25 has no
-        release_kv_cache_memory: there level-1 sleep frees the cache and also moves the weights and LoRA
-        slots to host memory and back at `wake_up` (about 6 GiB each way at 3B; read in its source, not run)."""
+        LoRA state; the cache is reallocated by `wake_up` before the next generation (vLLM 0.32; not yet run on
+        a GPU). vLLM 0.25 has no release_kv_cache_memory: there level-1 sleep frees the cache and also moves the
+        weights and LoRA slots to host memory and back at `wake_up` (about 6 GiB each way at 3B; run at 135M's
+        shape on an H200, docs/gpu.md)."""
         if self.sleep_during_update:
             self.drain()
             if hasattr(self.llm, "release_kv_cache_memory"):  # vLLM 0.32
