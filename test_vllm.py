@@ -317,6 +317,42 @@ def install_fake_vllm(monkeypatch, made: list, logprob: float = -1.0):
     monkeypatch.setattr(vllm_sampler, "vllm_available", lambda: True)
 
 
+def test_release_memory_sleeps_at_level_0_where_vllm_can_release_the_kv_cache_alone_else_at_level_1():
+    """--vllm-sleep's two paths, by what the engine offers: vLLM 0.32 (release_kv_cache_memory) sleeps at level 0,
+    keeping its weights; 0.25 (none) at level 1, which also moves them to host memory and back. Both first step the
+    in-process engine until it holds nothing. Without --vllm-sleep the engine is not touched."""
+
+    class Engine:  # what drain() reads: the in-process EngineCore's scheduler and batch queue
+        def __init__(self, log: list):
+            self.log, self.pending, self.batch_queue = log, 2, None
+            self.scheduler = types.SimpleNamespace(has_requests=lambda: self.pending > 0)
+
+        def step(self):
+            self.log.append("step")
+            self.pending -= 1
+
+    def sampler(release_kv_cache: bool, sleep: bool = True) -> tuple[vllm_sampler.VLLMSampler, list]:
+        log = []
+        llm = types.SimpleNamespace(sleep=lambda level: log.append(f"sleep {level}"), wake_up=lambda: log.append("wake"))
+        engine = Engine(log)
+        llm.llm_engine = types.SimpleNamespace(engine_core=types.SimpleNamespace(engine_core=engine), step=engine.step)
+        if release_kv_cache:
+            llm.release_kv_cache_memory = lambda: log.append("release")
+        made = object.__new__(vllm_sampler.VLLMSampler)
+        made.llm, made.sleep_during_update = llm, sleep
+        return made, log
+
+    for release_kv_cache, expected in ((True, ["step", "step", "sleep 0", "release", "wake"]), (False, ["step", "step", "sleep 1", "wake"])):
+        made, log = sampler(release_kv_cache)
+        made.release_memory()
+        made.wake_up()
+        assert log == expected
+    made, log = sampler(True, sleep=False)
+    made.release_memory()
+    made.wake_up()
+    assert log == []
+
+
 def test_vllm_path_of_train_py_up_to_the_engine(tiny_model_dir, tmp_path, monkeypatch):
     """--backend vllm on a CPU with vLLM faked at its boundary: the engine's arguments, the adapter
     handed over after each update, completions not detokenized by vLLM, log-probs requested and the
