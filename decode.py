@@ -99,7 +99,7 @@ class EagerDecode:
 def capture_stream(device: torch.device) -> torch.cuda.Stream:
     """The one stream on which every CudaGraphDecode warms up and captures its step. cuBLAS keeps a workspace for each
     stream it has run on (32 MiB on an H100/H200, and cuBLASLt 1 MiB) until told to clear them, so a new stream at every
-    generation held 33 MiB more each time, up to torch's pool of 32 streams (1 GiB; docs/gpu.md). Warmed up on the
+    generation held 33 MiB more each time, up to torch's pool of 32 streams (1 GiB; reproduce/gpu/runs.md). Warmed up on the
     capture's own stream, the step also finds that stream's workspace made before the capture, not inside it."""
     return torch.cuda.Stream(device)
 

@@ -20,7 +20,7 @@ def test_every_relative_link_in_the_readme_and_docs_resolves():
 
     root = Path(__file__).parent
     broken = []
-    for page in [root / "README.md", *sorted((root / "docs").glob("*.md")), root / "reproduce" / "README.md"]:
+    for page in [root / "README.md", *sorted((root / "docs").glob("*.md")), *sorted((root / "reproduce").rglob("*.md"))]:
         for target in re.findall(r"\]\(([^)\s]+)\)", page.read_text()):
             path, _, anchor = target.partition("#")
             if re.match(r"[a-z]+:", path):

@@ -239,7 +239,7 @@ class VLLMSampler:
         LoRA state; the cache is reallocated by `wake_up` before the next generation (vLLM 0.32; not yet run on
         a GPU). vLLM 0.25 has no release_kv_cache_memory: there level-1 sleep frees the cache and also moves the
         weights and LoRA slots to host memory and back at `wake_up` (about 6 GiB each way at 3B; run at 135M's
-        shape on an H200, docs/gpu.md)."""
+        shape on an H200, reproduce/gpu/runs.md)."""
         if self.sleep_during_update:
             self.drain()
             if hasattr(self.llm, "release_kv_cache_memory"):  # vLLM 0.32

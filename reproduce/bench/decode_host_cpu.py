@@ -4,7 +4,7 @@ A model of Qwen2.5-3B-Instruct's depth and head layout (36 layers, 16 query head
 widths (hidden 64) leaves the decode step almost no arithmetic: what is left is Python, transformers and torch's
 dispatch, the work that sets the pace of an eager decode step on a GPU. So this compares two commits' samplers
 for host work, without a GPU: milliseconds per decode step at 32 rows, aten operations dispatched per step, and
-reads of a tensor's value on the host per step (each one a synchronization on a GPU). Used for docs/gpu.md's 27
+reads of a tensor's value on the host per step (each one a synchronization on a GPU). Used for reproduce/gpu/runs.md's 27
 November paragraph (whether the sampler's code explains a 3.4x slower GPU generation: it does not):
 
     git archive 5af2948 | tar -x -C /tmp/old                                      # an older commit's tree
