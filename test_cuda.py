@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import math
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -183,7 +184,7 @@ def test_cuda_vllm_default_command_trains_resumes_and_sleeps(embedded_dir, tmp_p
     if vllm_build() != "gpu":
         pytest.skip("needs vLLM's CUDA build (pip install -r requirements-gpu.txt)")
 
-    def train_py(out: Path, *extra: str) -> list[dict]:
+    def train_py(out: Path, *extra: str) -> tuple[list[dict], str]:
         argv = ["--n", "32", "--m", "16", "--model", str(embedded_dir), "--dataset", "arith", "--out-dir", str(out), *extra]
         done = subprocess.run([sys.executable, "train.py", *argv], cwd=Path(__file__).parent, capture_output=True, text=True, timeout=1800)
         assert done.returncode == 0, done.stderr[-3000:]
@@ -193,13 +194,18 @@ def test_cuda_vllm_default_command_trains_resumes_and_sleeps(embedded_dir, tmp_p
             f"step {r['step']} {r['generation_s']:.1f} s generation, {r['update_s']:.1f} s update, "
             f"sampler gap mean {r['sampler_gap_mean']:.3f} max {r['sampler_gap_max']:.2f}" for r in rows))
         assert all(math.isfinite(r["loss"]) and math.isfinite(r["grad_norm"]) and 0 < r["sampler_gap_mean"] < 0.1 for r in rows)
-        return rows
+        return rows, done.stderr
 
     out = tmp_path / "run"
-    assert [r["step"] for r in train_py(out, "--steps", "2")] == [1, 2]
+    rows, stderr = train_py(out, "--steps", "2")
+    assert [r["step"] for r in rows] == [1, 2] and "vLLM sleeps" not in stderr
     config = json.loads((out / "config.json").read_text())
     assert config["device"] == "cuda" and config["bf16_weights"] is True and config["gradient_checkpointing"] is True
-    assert [r["step"] for r in train_py(out, "--steps", "4", "--resume", "--vllm-sleep")] == [1, 2, 3, 4]
+    rows, stderr = train_py(out, "--steps", "4", "--resume", "--vllm-sleep")
+    assert [r["step"] for r in rows] == [1, 2, 3, 4]
+    slept = re.search(r"--vllm-sleep: vLLM sleeps at level ([01]) during each update, (-?[\d.]+) GiB freed", stderr)
+    print(f"cuda vLLM asleep: {slept.group(0) if slept else 'no line'}")
+    assert slept and float(slept.group(2)) > 1, stderr[-3000:]  # vLLM's KV cache alone: 0.3 of the card less its weights
     assert checkpoint.find(out)[-1].name == "checkpoint-4"
     assert engines_adapter_dirs_are_gone()
 

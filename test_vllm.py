@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import itertools
 import json
+import logging
 import os
 import shutil
 import subprocess
@@ -57,19 +58,40 @@ def needs_vllms_cpu_build():
                     "test_cuda_vllm_default_command_trains_resumes_and_sleeps (-m cuda) runs vLLM there")
 
 
+@pytest.fixture(scope="module")
+def tiny_qwen2_dir(tmp_path_factory, embedded_dir) -> Path:
+    """Random weights in the GPU profile's architecture (Qwen2.5: biases on q, k and v, 2 KV heads, tied embeddings),
+    2 layers, with the embedded model's tokenizer. Heads of 64: vLLM's Qwen2 takes hidden_size / heads, and its CPU
+    attention has no kernel for 16."""
+    from transformers import AutoTokenizer, Qwen2Config, Qwen2ForCausalLM
+
+    tokenizer = AutoTokenizer.from_pretrained(embedded_dir)
+    torch.manual_seed(0)
+    config = Qwen2Config(vocab_size=len(tokenizer), hidden_size=256, intermediate_size=512, num_hidden_layers=2,
+                         num_attention_heads=4, num_key_value_heads=2, tie_word_embeddings=True, max_position_embeddings=1024,
+                         bos_token_id=tokenizer.bos_token_id, eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id)
+    path = tmp_path_factory.mktemp("tiny-qwen2")
+    Qwen2ForCausalLM(config).save_pretrained(path)
+    tokenizer.save_pretrained(path)
+    return path
+
+
 @pytest.mark.vllm
 @pytest.mark.slow
-def test_vllm_generates_with_the_lora_adapter_and_matches_transformers_tempered_logprobs(embedded_dir, tmp_path):
+@pytest.mark.parametrize("model_fixture", ["embedded_dir", "tiny_qwen2_dir"])
+def test_vllm_generates_with_the_lora_adapter_and_matches_transformers_tempered_logprobs(model_fixture, request, tmp_path):
     """Adapters handed over by update_weights (bfloat16, shared memory); at temperature 0.9 vLLM's
-    log-probs are those of the tempered policy, the one the update scores."""
+    log-probs are those of the tempered policy, the one the update scores. On SmolLM2 (Llama) and on the GPU
+    profile's Qwen2 architecture, whose q, k and v carry biases and which vLLM packs into one qkv_proj."""
     needs_vllms_cpu_build()
     from peft import PeftModel, set_peft_model_state_dict
     from safetensors.torch import load_file
 
-    adapters = [perturbed_adapter(embedded_dir, tmp_path / f"adapter{i}", seed=i) for i in (1, 2)]
-    base, tokenizer = models.load_policy(str(embedded_dir), "cpu", torch.float32)
+    base_dir = request.getfixturevalue(model_fixture)
+    adapters = [perturbed_adapter(base_dir, tmp_path / f"adapter{i}", seed=i) for i in (1, 2)]
+    base, tokenizer = models.load_policy(str(base_dir), "cpu", torch.float32)
     prompts = [sampling.build_prompt(tokenizer, q) for q in ("What is 7 + 5?", "Ava has 3 coins and gets 4 more. How many coins does Ava have now?")]
-    sampler = vllm_sampler.VLLMSampler(str(embedded_dir), tokenizer, max_new_tokens=12, temperature=0.9, lora_rank=8,
+    sampler = vllm_sampler.VLLMSampler(str(base_dir), tokenizer, max_new_tokens=12, temperature=0.9, lora_rank=8,
                                    max_model_len=512, max_num_seqs=8, gpu_memory_utilization=0.1, dtype="float32", seed=0)
     model = PeftModel.from_pretrained(base, adapters[0])
     for adapter in adapters:
@@ -93,6 +115,7 @@ def test_vllm_generates_with_the_lora_adapter_and_matches_transformers_tempered_
               f"{diff_untempered:.2f} against T=1, {diff_base:.2f} without the adapter")
         assert diff < 0.02 < 0.05 < min(diff_untempered, diff_base)
     assert len(list(sampler.live_dir.iterdir())) == 1  # the previous adapter was deleted
+    sampler.close()
 
 
 VLLM_CTRL_C_DRIVER = """
@@ -317,10 +340,13 @@ def install_fake_vllm(monkeypatch, made: list, logprob: float = -1.0):
     monkeypatch.setattr(vllm_sampler, "vllm_available", lambda: True)
 
 
-def test_release_memory_sleeps_at_level_0_where_vllm_can_release_the_kv_cache_alone_else_at_level_1():
+def test_release_memory_sleeps_at_level_0_where_vllm_can_release_the_kv_cache_alone_else_at_level_1(monkeypatch, caplog):
     """--vllm-sleep's two paths, by what the engine offers: vLLM 0.32 (release_kv_cache_memory) sleeps at level 0,
     keeping its weights; 0.25 (none) at level 1, which also moves them to host memory and back. Both first step the
-    in-process engine until it holds nothing. Without --vllm-sleep the engine is not touched."""
+    in-process engine until it holds nothing, and say once what the update gained, as the GPU's free memory rose.
+    Without --vllm-sleep the engine is not touched."""
+    device = {"free": 10 * 2**30}  # the GPU's free bytes, as torch.cuda.mem_get_info gives them
+    monkeypatch.setattr(torch.cuda, "mem_get_info", lambda: (device["free"], 80 * 2**30))
 
     class Engine:  # what drain() reads: the in-process EngineCore's scheduler and batch queue
         def __init__(self, log: list):
@@ -333,20 +359,31 @@ def test_release_memory_sleeps_at_level_0_where_vllm_can_release_the_kv_cache_al
 
     def sampler(release_kv_cache: bool, sleep: bool = True) -> tuple[vllm_sampler.VLLMSampler, list]:
         log = []
-        llm = types.SimpleNamespace(sleep=lambda level: log.append(f"sleep {level}"), wake_up=lambda: log.append("wake"))
+
+        def sleeps(level: int) -> None:
+            log.append(f"sleep {level}")
+            device["free"] += (2 if release_kv_cache else 3) * 2**30  # level 1: the weights too
+
+        llm = types.SimpleNamespace(sleep=sleeps, wake_up=lambda: log.append("wake"))
         engine = Engine(log)
         llm.llm_engine = types.SimpleNamespace(engine_core=types.SimpleNamespace(engine_core=engine), step=engine.step)
         if release_kv_cache:
-            llm.release_kv_cache_memory = lambda: log.append("release")
+            llm.release_kv_cache_memory = lambda: log.append("release") or device.update(free=device["free"] + 2**30)
         made = object.__new__(vllm_sampler.VLLMSampler)
-        made.llm, made.sleep_during_update = llm, sleep
+        made.llm, made.sleep_during_update, made.slept = llm, sleep, False
         return made, log
 
-    for release_kv_cache, expected in ((True, ["step", "step", "sleep 0", "release", "wake"]), (False, ["step", "step", "sleep 1", "wake"])):
+    for release_kv_cache, expected, said in (
+            (True, ["step", "step", "sleep 0", "release", "wake"], "--vllm-sleep: vLLM sleeps at level 0 during each update, 3.00 GiB freed"),
+            (False, ["step", "step", "sleep 1", "wake"], "--vllm-sleep: vLLM sleeps at level 1 during each update, 3.00 GiB freed")):
         made, log = sampler(release_kv_cache)
-        made.release_memory()
-        made.wake_up()
-        assert log == expected
+        caplog.clear()
+        with caplog.at_level(logging.INFO, logger="pods"):
+            for _ in range(2):
+                made.release_memory()
+                made.wake_up()
+        assert log == expected + expected[2:]  # drained at the first: nothing left to step at the second
+        assert [r.getMessage() for r in caplog.records] == [said]  # the first update's only
     made, log = sampler(True, sleep=False)
     made.release_memory()
     made.wake_up()

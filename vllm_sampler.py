@@ -181,7 +181,7 @@ class VLLMSampler:
         log.info("vLLM KV cache: %s tokens", f"{kv_tokens:,}" if kv_tokens else "unknown")
         self.tokenizer = tokenizer
         self.max_new_tokens, self.temperature = max_new_tokens, temperature
-        self.sleep_during_update = sleep_during_update
+        self.sleep_during_update, self.slept = sleep_during_update, False
         self.logprobs = logprobs  # return vLLM's log-prob of each sampled token (training: the sampler/trainer gap)
         self.stops = stop_token_ids(tokenizer)
         self.lora_request = None
@@ -239,15 +239,20 @@ class VLLMSampler:
         LoRA state; the cache is reallocated by `wake_up` before the next generation (vLLM 0.32; not yet run on
         a GPU). vLLM 0.25 has no release_kv_cache_memory: there level-1 sleep frees the cache and also moves the
         weights and LoRA slots to host memory and back at `wake_up` (about 6 GiB each way at 3B; run at 135M's
-        shape on an H200, reproduce/gpu/runs.md)."""
+        shape on an H200, reproduce/gpu/runs.md). The first call logs the GPU memory the sleep freed."""
         if self.sleep_during_update:
             self.drain()
-            if hasattr(self.llm, "release_kv_cache_memory"):  # vLLM 0.32
-                self.llm.sleep(level=0)
+            torch.cuda.empty_cache()  # the trainer's cached blocks first: what is freed below is vLLM's
+            free = torch.cuda.mem_get_info()[0]
+            level = 0 if hasattr(self.llm, "release_kv_cache_memory") else 1  # vLLM 0.32 : 0.25
+            self.llm.sleep(level=level)
+            if level == 0:
                 self.llm.release_kv_cache_memory()
-            else:
-                self.llm.sleep(level=1)
             torch.cuda.empty_cache()
+            if not self.slept:  # said once: what the update gains
+                freed = (torch.cuda.mem_get_info()[0] - free) / 2**30
+                log.info("--vllm-sleep: vLLM sleeps at level %d during each update, %.2f GiB freed", level, freed)
+                self.slept = True
 
     def drain(self, max_steps: int = 4) -> None:
         """Step the in-process engine until it holds nothing. It stops stepping as soon as the last

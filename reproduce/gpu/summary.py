@@ -24,9 +24,10 @@ ROWS = {  # the timed stages, in the table's order
     "trl": "GRPO, TRL GRPOTrainer",
     "vllm": "PODS, train.py --backend vllm",
 }
-RATIOS = (("pods", "trl"), ("grpo", "trl"), ("pods", "grpo"), ("pods", "old"))  # step time of the first / the second
+RATIOS = (("pods", "trl"), ("grpo", "trl"), ("pods", "grpo"), ("pods", "old"), ("vllm", "pods"), ("vllm", "trl"))  # step time of the first / the second
 PEAK = re.compile(r"CUDA peak allocated ([\d.]+) GiB, reserved ([\d.]+) GiB")
 PHASES = re.compile(r"in the update ([\d.]+) GiB allocated, outside it ([\d.]+)")  # peak.py's split of the peak
+KV_CACHE = re.compile(r"vLLM KV cache: ([\d,]+) tokens")  # vllm_sampler.py's line at vLLM's start
 TIMED_OUT = {"124", "137"}  # timeout(1)'s exit status, and a KILL after its grace period
 
 
@@ -112,7 +113,7 @@ def summary(logs: Path) -> str:
         out += [f"  {line}" for line in read(logs / "decode.log").splitlines() if line.startswith(("decode:", "kernels", "  "))]
     lines = [["stage", "what", "steps", "generation s", "ms/token", "update s", "step s", "peak GiB alloc/reserved",
               "completion len", "sampler gap", "status"]]
-    step_s, failures, phases = {}, [], []
+    step_s, failures, phases, notes = {}, [], [], []
     for stage, what in ROWS.items():
         if stage not in status:
             continue
@@ -123,6 +124,8 @@ def summary(logs: Path) -> str:
         memory = peak(log)
         if split := PHASES.findall(log):
             phases.append(f"{stage} {split[-1][0]} in the update, {split[-1][1]} outside it")
+        if kv := KV_CACHE.findall(log):  # allocated whole at vLLM's start: its size is the flag's, not the step's need
+            notes.append(f"{stage}: its peak holds vLLM's KV cache, {kv[-1]} tokens, as --gpu-memory-utilization sized it")
         if status[stage][0] not in ("0", "skipped", *TIMED_OUT):
             failures.append(f"{stage} failed: {(log.strip().splitlines() or ['(no output)'])[-1][:200]}")
         lines.append([stage, what.format(old=env.get("old", "OLD")), "-".join(map(str, means["steps"])) or "-",
@@ -137,7 +140,7 @@ def summary(logs: Path) -> str:
                    f"peak: torch.cuda's over the whole run")
         if phases:
             out.append("peak GiB allocated by phase: " + "; ".join(phases))
-        out += failures
+        out += notes + failures
     ratios = [f"{a} / {b} {step_s[a] / step_s[b]:.2f}" for a, b in RATIOS if a in step_s and b in step_s]
     if ratios:
         out.append("step time ratios: " + ", ".join(ratios))

@@ -65,6 +65,20 @@ def test_summary_times_steps_2_and_3_only_and_divides_step_times_by_trls(logs):
 
 
 @pytest.mark.pure
+def test_summary_sets_the_vllm_stage_beside_pods_and_trl_and_says_its_peak_holds_vllms_kv_cache(logs):
+    """--backend vllm: its step time over train.py --backend hf's and TRL's, and its KV cache (allocated whole at
+    vLLM's start, at the size --gpu-memory-utilization gives it) named under the table."""
+    (logs / "status.txt").write_text("pods\t0\t104\ntrl\t0\t190\nvllm\t0\t260\n")
+    write_stage(logs, "trl", [(55.0, 5.0), (50.0, 4.0), (50.0, 4.0)], None)
+    write_stage(logs, "vllm", [(150.0, 3.0), (4.0, 2.5), (3.5, 2.5)], "train.main exit 0 after 200 s; "
+                "CUDA peak allocated 52.10 GiB, reserved 53.00 GiB; in the update 52.10 GiB allocated, outside it 45.00")
+    (logs / "vllm.log").write_text("INFO vLLM KV cache: 1,020,416 tokens\n" + (logs / "vllm.log").read_text())
+    lines = summary.summary(logs).splitlines()
+    assert "vllm: its peak holds vLLM's KV cache, 1,020,416 tokens, as --gpu-memory-utilization sized it" in lines
+    assert "step time ratios: pods / trl 0.33, vllm / pods 0.36, vllm / trl 0.12" in lines
+
+
+@pytest.mark.pure
 def test_peak_py_splits_the_peak_at_the_update_and_keeps_the_whole_runs(monkeypatch):
     """peak.PhasePeaks on a stand-in for torch.cuda's one peak counter: over 5 GiB of weights, generation takes 4 GiB
     more, the update 12 and a checkpoint after it 5; the update's peak is its own, the whole run's the larger."""
