@@ -63,11 +63,12 @@ def parse_args(args_class, argv: list[str] | None = None, description: str = "")
         flag = "--" + f.name.replace("_", "-")
         if f.name == "resume":  # --resume alone means yes
             parser.add_argument(flag, nargs="?", const="yes", default=f.default, choices=RESUME_MODES, help=f.metadata["help"])
-        elif f.type.startswith("bool"):
+        elif f.type.startswith("bool"):  # argparse adds "(default: ...)" where the default is not the profile's (None)
             parser.add_argument(flag, action=argparse.BooleanOptionalAction, default=f.default, help=f.metadata["help"])
-        else:
+        else:  # the default in brackets, as the profile's are ("[GPU 512, CPU 32]")
             kind = {"int": int, "float": float, "str": str}[f.type.split(" ")[0]]
-            parser.add_argument(flag, type=kind, default=f.default, help=f.metadata["help"])
+            shown = "" if f.default is None else f" [{f.default}]"
+            parser.add_argument(flag, type=kind, default=f.default, help=f.metadata["help"] + shown)
     return args_class(**vars(parser.parse_args(argv)))
 
 
@@ -105,10 +106,13 @@ def resolve(args, device: str, world_size: int = 1):
     check_optimizer_flags(args)
     if args.tis_cap < 0 or (0 < args.tis_cap < 1):
         raise UsageError(f"--tis-cap {args.tis_cap} must be 0 (off) or >= 1 (a cap below 1 would shrink every token's weight)")
-    for name in ("prompts_per_step", "max_new_tokens", "micro_batch", "steps", "lora_rank", "gen_batch", "max_skipped_steps",
-                 "max_refill_rounds"):
+    for name in ("prompts_per_step", "max_new_tokens", "max_prompt_tokens", "micro_batch", "steps", "lora_rank", "lora_alpha",
+                 "gen_batch", "max_skipped_steps", "max_refill_rounds"):
         if getattr(args, name) < 1:
             raise UsageError(f"--{name.replace('_', '-')} {getattr(args, name)} must be >= 1")
+    for name in ("seed", "time_budget", "save_every_steps", "save_every_minutes"):  # 0: no limit, or off
+        if getattr(args, name) < 0:
+            raise UsageError(f"--{name.replace('_', '-')} {getattr(args, name)} must be >= 0")
     if args.prompts_per_step % world_size:
         raise UsageError(f"--prompts-per-step {args.prompts_per_step} does not divide among {world_size} processes: "
                          f"it counts the prompts of a step over all of them; pass a multiple of {world_size}")

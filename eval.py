@@ -114,6 +114,8 @@ def find_targets(path: str) -> tuple[str, list[Target], Path | None]:
         return base_model_of(found[0]), [Target(BASE, None)] + [target_of(c) for c in found], p
     if p.is_dir() and not (p / "config.json").exists():
         raise EvalError(f"{p} is neither a run directory, a checkpoint nor a model directory")
+    if not p.exists() and (path.startswith(("/", ".", "~")) or path.count("/") > 1):  # a path, not a hub name
+        raise EvalError(f"{path} does not exist: give a run directory, a checkpoint, or a model (a hub name, a directory, 'embedded')")
     return path, [Target(BASE, None)], None
 
 
@@ -383,10 +385,15 @@ def default_max_new_tokens(trained: dict, dataset: str) -> int:
 
 
 def default_dataset(trained: dict) -> str:
-    """The test split of the task a run trained on (gsm8k or arith; `trained` is its config); arith otherwise."""
+    """The test split of the task a run trained on (gsm8k or arith; `trained` is its config); arith for a base
+    model. A run trained on a file: its test questions are another file, which only the user can name."""
     trained_on = trained.get("dataset") or ""
     if trained_on == data.GSM8K or data.arith_levels(trained_on) is not None:
         return trained_on
+    if trained_on:
+        beside = Path(trained_on).with_name("test.jsonl")
+        example = beside if beside.exists() and beside != Path(trained_on) else "path/to/test.jsonl"
+        raise EvalError(f"the run trained on the file {trained_on}: name its test questions (--dataset {example})")
     return data.ARITH
 
 
@@ -401,7 +408,8 @@ def main(argv: list[str] | None = None) -> int:
                         help="plot training curves (reward, train accuracy, completion length, seconds per step) from "
                              "metrics.jsonl alone, no evaluation needed [figure: training_curves.png]")
     parser.add_argument("--dataset", default=None,
-                        help="'gsm8k' (test split), 'arith' (held-out split) or a .jsonl path [the run's, else arith]")
+                        help="'gsm8k' (test split), 'arith' (held-out split) or a .jsonl path [the run's task; "
+                             "a base model: arith; a run trained on a file: required]")
     parser.add_argument("--limit", default=None, metavar="N|all",
                         help=f"evaluate the first N test questions, or all [all, as the authors; arith: {ARITH_LIMIT} of its 500]")
     parser.add_argument("--samples", type=int, default=1, help="completions sampled per question")

@@ -115,8 +115,11 @@ def group_curves(run_dirs: list[Path], results_file: str | None, clock=None
         if eval_settings is None:
             eval_settings = (run, stored["settings"])
         elif differing := differing_keys(stored["settings"], eval_settings[1], ignore={"precision"}):
-            raise PlotError(f"{run} and {eval_settings[0]} were evaluated with different settings ({', '.join(differing)}); "
-                            f"evaluate them alike (--force) before comparing")
+            first = eval_settings[1]
+            values = "; ".join(f"{key} {stored['settings'].get(key)} against {first.get(key)}" for key in differing)
+            flags = " ".join(f"--{key.replace('_', '-')} {'all' if first.get(key) is None else first[key]}" for key in differing)
+            raise PlotError(f"{run} and {eval_settings[0]} were evaluated with different settings ({values}); "
+                            f"evaluate them alike before comparing: python eval.py {run} {flags} --force")
         config = json.loads((run / "config.json").read_text())
         label = label_of(config)
         if label in first_config:

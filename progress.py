@@ -16,6 +16,7 @@ import numpy as np
 import torch
 
 import config
+import data
 import distributed
 import model
 import vllm_sampler
@@ -34,9 +35,12 @@ def start_line(args, model_name: str, sampler, out_dir: Path, device: str, world
             how.append(model.FLOAT32_CPU)  # (not when --bf16-autocast forces bfloat16 there)
         backend = "transformers" + (f" ({'; '.join(how)})" if how else "")
     name = "the embedded SmolLM2-135M-Instruct" if model_name == model.EMBEDDED else model_name
-    auto = ("; no GPU, so the embedded model and the built-in task (--model / --dataset choose others)"
-            if device == "cpu" and args.model == "auto" else "")
-    ranks = f" on {world.size} {'GPUs' if device == 'cuda' else 'processes'} (DDP)" if world.launched else ""
+    auto = ""
+    if device == "cpu" and args.model == "auto":  # what the CPU's profile chose for the user
+        auto = ("; no GPU, so the embedded model and the built-in task (--model / --dataset choose others)" if args.dataset == data.ARITH
+                else "; no GPU, so the embedded model (--model chooses another)")
+    units = ("GPU", "GPUs") if device == "cuda" else ("process", "processes")
+    ranks = f" on {world.size} {units[world.size > 1]} (DDP)" if world.launched else ""
     return f"training {name} on {args.dataset} with {backend} generation{ranks}, writing {out_dir}{auto}"
 
 

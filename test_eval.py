@@ -135,6 +135,20 @@ def test_eval_of_a_path_without_checkpoints_exits_2(tmp_path, capsys):
     assert "has no checkpoint-STEP directories" in capsys.readouterr().err
     assert evaluation.main([str(tmp_path)]) == 2
     assert "is neither a run directory" in capsys.readouterr().err
+    assert evaluation.main([str(tmp_path / "no-such-run")]) == 2  # not looked up in the model hub
+    assert capsys.readouterr().err == f"error: {tmp_path / 'no-such-run'} does not exist: give a run directory, a checkpoint, or a model (a hub name, a directory, 'embedded')\n"
+
+
+def test_eval_of_a_run_trained_on_a_file_asks_for_its_test_file_instead_of_scoring_arith(tmp_path, capsys):
+    (tmp_path / "train.jsonl").write_text("")
+    (tmp_path / "test.jsonl").write_text("")
+    run = tmp_path / "run"
+    run.mkdir()
+    (run / "config.json").write_text(json.dumps({"model_resolved": "embedded", "dataset": str(tmp_path / "train.jsonl")}))
+    assert evaluation.main([str(run)]) == 2
+    assert capsys.readouterr().err == (f"error: the run trained on the file {tmp_path / 'train.jsonl'}: name its test "
+                                       f"questions (--dataset {tmp_path / 'test.jsonl'})\n")
+    assert not list(run.glob("eval-*.json"))
 
 
 def test_time_to_reach_is_the_first_time_at_or_above_the_target():
@@ -226,7 +240,8 @@ def test_plot_refuses_runs_that_are_not_comparable(tmp_path, capsys):
     grpo_run = fake_run(tmp_path, "grpo", "none", 8, 8, [(0, 0.2), (60, 0.4)])
     other_limit = fake_run(tmp_path, "pods", "max_variance", 8, 4, [(0, 0.2), (60, 0.5)], limit=200)
     assert evaluation.main(["--plot", str(grpo_run), str(other_limit), "--out", str(tmp_path / "f.png")]) == 2
-    assert "were evaluated with different settings (limit)" in capsys.readouterr().err
+    assert capsys.readouterr().err == (f"error: {other_limit} and {grpo_run} were evaluated with different settings (limit 200 "
+                                       f"against 64); evaluate them alike before comparing: python eval.py {other_limit} --limit 64 --force\n")
     seed1_other_lr = fake_run(tmp_path, "grpo-s1", "none", 8, 8, [(0, 0.2), (60, 0.4)], lr=1e-4, seed=1)
     pods_run = fake_run(tmp_path, "pods2", "max_variance", 8, 4, [(0, 0.2), (60, 0.5)])
     assert evaluation.main(["--plot", str(grpo_run), str(seed1_other_lr), str(pods_run), "--out", str(tmp_path / "f.png")]) == 2

@@ -25,6 +25,7 @@ import torch
 import checkpoint
 import config
 import data
+import distributed
 import model as models
 import progress
 import rewards
@@ -187,6 +188,27 @@ def test_bfloat16_forced_on_a_cpu_that_emulates_it_is_kept_with_a_warning_and_th
     assert (gpu.bf16_autocast, gpu.bf16_weights, gpu.merged_sampler) == (False, True, True)
 
 
+def test_help_gives_each_default_the_profiles_by_device(capsys):
+    with pytest.raises(SystemExit):
+        config.parse_args(train.Args, ["--help"])
+    text = " ".join(capsys.readouterr().out.split())  # argparse wraps the lines
+    assert "--n N rollouts generated per prompt [32]" in text and "--m M rollouts kept per prompt" in text
+    assert "completion length limit [GPU 512, CPU 32]" in text and "[GPU 512, CPU 32] [" not in text
+
+
+def test_the_start_line_names_what_the_cpu_profile_chose_and_no_more():
+    """--model auto on a CPU is the embedded model; the built-in task only where --dataset left it so (a GSM8K file
+    was once called the built-in task). One torchrun process is a process."""
+    sampler = types.SimpleNamespace(merged=False)
+    line = lambda argv, world=distributed.World(): progress.start_line(
+        config.resolve(config.parse_args(train.Args, argv), "cpu"), models.EMBEDDED, sampler, Path("out"), "cpu", world)
+    assert line([]).endswith("; no GPU, so the embedded model and the built-in task (--model / --dataset choose others)")
+    assert line(["--dataset", "train.jsonl"]).endswith("writing out; no GPU, so the embedded model (--model chooses another)")
+    assert line(["--model", "m"]).endswith("writing out")
+    assert " on 1 process (DDP)" in line([], distributed.World(launched=True))
+    assert " on 2 processes (DDP)" in line([], distributed.World(size=2, launched=True))
+
+
 def test_gsm8k_with_no_hub_fails_at_once_with_what_to_pass(monkeypatch):
     import socket
 
@@ -271,6 +293,12 @@ def test_ctrl_c_that_kills_the_generation_engine_saves_the_last_finished_step(ti
         (["--clip-eps-high", "-0.1"], "--clip-eps-high -0.1 must be >= 0"),
         (["--uniform-groups", "drop"], "unknown --uniform-groups 'drop'; choose one of keep, skip, refill"),
         (["--max-refill-rounds", "0"], "--max-refill-rounds 0 must be >= 1"),
+        (["--max-prompt-tokens", "0"], "--max-prompt-tokens 0 must be >= 1"),
+        (["--lora-alpha", "0"], "--lora-alpha 0 must be >= 1"),
+        (["--seed", "-1"], "--seed -1 must be >= 0"),
+        (["--time-budget", "-5"], "--time-budget -5.0 must be >= 0"),
+        (["--save-every-steps", "-1"], "--save-every-steps -1 must be >= 0"),
+        (["--save-every-minutes", "-1"], "--save-every-minutes -1.0 must be >= 0"),
     ],
 )
 def test_bad_input_exits_2_with_one_line(argv, message, tmp_path, capsys):

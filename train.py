@@ -40,6 +40,7 @@ from pathlib import Path
 
 import numpy as np
 import torch
+from tqdm.contrib.logging import logging_redirect_tqdm
 
 import checkpoint
 import config
@@ -332,8 +333,9 @@ def train(args: Args, world: distributed.World = distributed.World()) -> Path:
         stream = data.PromptStream(examples, lambda question: sampling.build_prompt(tokenizer, question), args.max_prompt_tokens,
                                    args.seed, state["data_position"])
         model = distributed.wrap(model, world)  # torchrun: DDP; the sampler keeps the PEFT model it was given
-        train_loop(args, model, tokenizer, optimizer, scheduler, sampler, stream, state, rng, out_dir, metrics_path, world,
-                   resumed=resuming)
+        with logging_redirect_tqdm():  # log lines print above the progress bar, not on its line
+            train_loop(args, model, tokenizer, optimizer, scheduler, sampler, stream, state, rng, out_dir, metrics_path, world,
+                       resumed=resuming)
         return out_dir
     finally:
         sampler.close()  # before distributed.finish: vLLM's engine shutdown destroys the default process group
