@@ -99,7 +99,8 @@ def _example(row: dict) -> Example | None:
 
 def read_jsonl(path: Path) -> list[Example]:
     if not path.is_file():
-        raise DataError(f"dataset file {path} does not exist; pass a .jsonl path, '{GSM8K}' or '{ARITH}'")
+        what = "is a directory, not a file" if path.is_dir() else "does not exist"
+        raise DataError(f"dataset file {path} {what}; pass a .jsonl path, '{GSM8K}' or '{ARITH}'")
     examples, unusable = [], []
     with open(path) as f:
         for number, line in enumerate(f, start=1):

@@ -279,6 +279,7 @@ def test_ctrl_c_that_kills_the_generation_engine_saves_the_last_finished_step(ti
         (["--n", "8", "--m", "1"], "--m 1 must be >= 2"),
         (["--rule", "best"], "unknown --rule 'best'"),
         (["--dataset", "/nonexistent/train.jsonl"], "dataset file /nonexistent/train.jsonl does not exist"),
+        (["--dataset", "/"], "dataset file / is a directory, not a file"),
         (["--model", "/nonexistent/model", "--dataset", "arith"], "could not load model '/nonexistent/model'"),
         (["--resume", "--dataset", "arith"], "--resume: no checkpoint-STEP directory in"),
         (["--temperature", "0"], "--temperature 0.0 must be > 0"),
