@@ -57,18 +57,19 @@ class UsageError(ValueError):
 
 def parse_args(args_class, argv: list[str] | None = None, description: str = ""):
     """An `args_class` (a dataclass such as train.Args) from the command line: each field a --flag, its
-    metadata["help"] the help text; booleans take --flag/--no-flag, --resume alone means yes."""
+    metadata["help"] the help text, then its default in brackets; booleans take --flag/--no-flag, --resume alone means yes."""
     parser = argparse.ArgumentParser(description=description)
     for f in dataclasses.fields(args_class):
         flag = "--" + f.name.replace("_", "-")
+        shown = ("on" if f.default else "off") if isinstance(f.default, bool) else f.default
+        text = f.metadata["help"] + ("" if f.default is None else f" [{shown}]")  # None: the profile's, in its help
         if f.name == "resume":  # --resume alone means yes
             parser.add_argument(flag, nargs="?", const="yes", default=f.default, choices=RESUME_MODES, help=f.metadata["help"])
-        elif f.type.startswith("bool"):  # argparse adds "(default: ...)" where the default is not the profile's (None)
-            parser.add_argument(flag, action=argparse.BooleanOptionalAction, default=f.default, help=f.metadata["help"])
-        else:  # the default in brackets, as the profile's are ("[GPU 512, CPU 32]")
+        elif f.type.startswith("bool"):
+            parser.add_argument(flag, action=argparse.BooleanOptionalAction, default=f.default, help=text)
+        else:
             kind = {"int": int, "float": float, "str": str}[f.type.split(" ")[0]]
-            shown = "" if f.default is None else f" [{f.default}]"
-            parser.add_argument(flag, type=kind, default=f.default, help=f.metadata["help"] + shown)
+            parser.add_argument(flag, type=kind, default=f.default, help=text)
     return args_class(**vars(parser.parse_args(argv)))
 
 
