@@ -242,8 +242,9 @@ class VLLMSampler:
         shape on an H200, reproduce/gpu/runs.md). The first call logs the GPU memory the sleep freed."""
         if self.sleep_during_update:
             self.drain()
-            torch.cuda.empty_cache()  # the trainer's cached blocks first: what is freed below is vLLM's
-            free = torch.cuda.mem_get_info()[0]
+            if not self.slept:  # measured once: the trainer's cached blocks go first, so what is freed below is vLLM's
+                torch.cuda.empty_cache()
+                free = torch.cuda.mem_get_info()[0]
             level = 0 if hasattr(self.llm, "release_kv_cache_memory") else 1  # vLLM 0.32 : 0.25
             self.llm.sleep(level=level)
             if level == 0:
