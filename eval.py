@@ -323,10 +323,13 @@ def load_hf_model(base: str, adapters: list[Path], device: str):
 def load_tokenizer(base: str):
     from transformers import AutoTokenizer
 
+    path = models.resolve_model_path(base)
+    offline = models.hub_offline(path)
     try:
-        return AutoTokenizer.from_pretrained(models.resolve_model_path(base))
+        return AutoTokenizer.from_pretrained(path, local_files_only=bool(offline))
     except OSError as err:
-        raise models.SetupError(f"could not load the tokenizer of {base!r} ({str(err).splitlines()[0]})") from None
+        raise models.SetupError(f"could not load the tokenizer of {base!r} ({offline or str(err).splitlines()[0]}); "
+                                f"{models.NO_HUB_HINT}") from None
 
 
 def vllm_max_model_len(prompts: list[list[int]], max_new_tokens: int, context: int | None) -> int:
@@ -412,24 +415,24 @@ def main(argv: list[str] | None = None) -> int:
                              "a base model: arith; a run trained on a file: required]")
     parser.add_argument("--limit", default=None, metavar="N|all",
                         help=f"evaluate the first N test questions, or all [all, as the authors; arith: {ARITH_LIMIT} of its 500]")
-    parser.add_argument("--samples", type=int, default=1, help="completions sampled per question")
-    parser.add_argument("--repeats", type=int, default=5, help="independent evaluations per checkpoint (mean and standard error)")
+    parser.add_argument("--samples", type=int, default=1, help="completions sampled per question [1, as the authors]")
+    parser.add_argument("--repeats", type=int, default=5, help="independent evaluations per checkpoint (mean and standard error) [5, as the authors]")
     parser.add_argument("--temperature", type=float, default=None, help="sampling temperature [the run's, else 0.9]")
     parser.add_argument("--max-new-tokens", type=int, default=None,
                         help="completion length limit [the run's, else 512; arith: 32]")
-    parser.add_argument("--seed", type=int, default=0, help="seed of the first repeat")
-    parser.add_argument("--backend", default="auto", choices=["auto", "vllm", "hf"], help="generation backend, as in train.py")
+    parser.add_argument("--seed", type=int, default=0, help="seed of the first repeat [0]")
+    parser.add_argument("--backend", default="auto", choices=["auto", "vllm", "hf"], help="generation backend, as in train.py [auto]")
     parser.add_argument("--gpu-memory-utilization", type=float, default=0.3,
                         help="vLLM: share of GPU memory it may take [0.3, as train.py]")
     parser.add_argument("--vllm-kv-cache-gb", type=float, default=None,
                         help="vLLM: KV cache size in GiB [sized from --gpu-memory-utilization]")
     parser.add_argument("--vllm-enforce-eager", "--enforce-eager", dest="enforce_eager", action="store_true",
-                        help="vLLM: no CUDA graphs (slower generation, ~0.5-1 GiB less memory)")
-    parser.add_argument("--out", default=None, help="results JSON (eval) or figure PNG (--plot)")
+                        help="vLLM: no CUDA graphs (slower generation, ~0.5-1 GiB less memory) [off]")
+    parser.add_argument("--out", default=None, help="results JSON (eval) or figure PNG (--plot) [eval-DATASET.json in the run or checkpoint directory, or here; --plot: accuracy_vs_time.png]")
     parser.add_argument("--baseline", default=None, help="--plot: label of the baseline curve [the GRPO run]")
     parser.add_argument("--target-frac", type=float, default=plot.TARGET_FRAC,
                         help="--plot: speed-up target, a share of the baseline's peak accuracy; 1 = the peak itself [0.99, the authors']")
-    parser.add_argument("--force", action="store_true", help="re-evaluate checkpoints already in the results file")
+    parser.add_argument("--force", action="store_true", help="re-evaluate checkpoints already in the results file [off]")
     args = parser.parse_args(argv)
     try:
         if args.plot_train:

