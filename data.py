@@ -136,8 +136,8 @@ def arith_levels(dataset: str) -> tuple[int, ...] | None:
 
 def hub_unreachable(timeout_s: float = 3.0) -> str | None:
     """Why the hub (datasets and models) can't be reached, found without the hub client's retries
-    (25-50 s offline); None when it may be. Offline variables (HF_HUB_OFFLINE, HF_DATASETS_OFFLINE) are left to `datasets`,
-    which then reads its local cache."""
+    (25-50 s offline); None when it may be. Offline variables (HF_HUB_OFFLINE, HF_DATASETS_OFFLINE)
+    are left to `datasets` and transformers, which then read their local cache."""
     if any(os.environ.get(v, "").lower() in ("1", "true", "yes", "on") for v in ("HF_HUB_OFFLINE", "HF_DATASETS_OFFLINE")):
         return None
     host = urlparse(os.environ.get("HF_ENDPOINT", "https://huggingface.co")).hostname or "huggingface.co"

