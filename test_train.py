@@ -341,8 +341,9 @@ def test_a_hub_model_with_the_hub_unreachable_is_looked_up_in_the_local_cache_on
 
 def test_a_hub_model_in_the_local_cache_loads_with_the_hub_unreachable(tiny_model_dir, tmp_path, monkeypatch):
     """The cache, laid out as the hub client keeps it (models--ORG--NAME/snapshots/REV, refs/main naming REV),
-    holds the tiny model under a hub name; found unreachable, the hub is not asked and the model loads."""
-    from huggingface_hub import constants
+    holds the tiny model under a hub name; found unreachable, the hub is not asked (transformers' look for a peft
+    adapter asked it, with 5 retries, until told not to) and the model loads."""
+    from huggingface_hub import constants, file_download
 
     repo = tmp_path / "hub" / "models--pods-test--tiny"
     shutil.copytree(tiny_model_dir, repo / "snapshots" / "0123abc")
@@ -350,8 +351,12 @@ def test_a_hub_model_in_the_local_cache_loads_with_the_hub_unreachable(tiny_mode
     (repo / "refs" / "main").write_text("0123abc")
     monkeypatch.setattr(constants, "HF_HUB_CACHE", str(tmp_path / "hub"))
     monkeypatch.setattr(models, "hub_unreachable", lambda: "huggingface.co unreachable: test")
+    asked = []
+    ask = file_download.get_hf_file_metadata
+    monkeypatch.setattr(file_download, "get_hf_file_metadata", lambda url, *a, **k: asked.append(url) or ask(url, *a, **k))
     policy, tokenizer = models.load_policy("pods-test/tiny", "cpu", torch.float32)
     assert policy.config.num_hidden_layers == 2 and tokenizer.pad_token_id is not None
+    assert asked == []
 
 
 @pytest.mark.parametrize("make_path", [lambda tmp: tmp / "a-file", lambda tmp: tmp / "a-file" / "run"])
