@@ -91,11 +91,11 @@ def load_policy(model: str, device: str, dtype: torch.dtype):
 
     path = resolve_model_path(model)
     offline = hub_offline(path)
-    # the local cache only, also in AutoModel's look for a peft adapter: transformers 5.19-5.24 don't pass the flag on to it
-    cache_only = {"local_files_only": True, "adapter_kwargs": {"local_files_only": True}} if offline else {}
+    cache_only = bool(offline)  # also for AutoModel's look for a peft adapter: transformers 5.19-5.24 don't pass it on there
     try:
-        tokenizer = AutoTokenizer.from_pretrained(path, local_files_only=bool(offline))
-        policy = AutoModelForCausalLM.from_pretrained(path, dtype=dtype, **cache_only).to(device)
+        tokenizer = AutoTokenizer.from_pretrained(path, local_files_only=cache_only)
+        policy = AutoModelForCausalLM.from_pretrained(path, dtype=dtype, local_files_only=cache_only,
+                                                      adapter_kwargs={"local_files_only": cache_only}).to(device)
     except OSError as err:
         raise SetupError(f"could not load model {model!r} ({offline or str(err).splitlines()[0]}); {NO_HUB_HINT}") from None
     if tokenizer.pad_token_id is None:
