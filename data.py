@@ -24,6 +24,7 @@ import logging
 import os
 import random
 import socket
+import threading
 from dataclasses import dataclass
 from pathlib import Path
 from urllib.parse import urlparse
@@ -141,11 +142,21 @@ def hub_unreachable(timeout_s: float = 3.0) -> str | None:
     if any(os.environ.get(v, "").lower() in ("1", "true", "yes", "on") for v in ("HF_HUB_OFFLINE", "HF_DATASETS_OFFLINE")):
         return None
     host = urlparse(os.environ.get("HF_ENDPOINT", "https://huggingface.co")).hostname or "huggingface.co"
-    try:
-        socket.create_connection((host, 443), timeout=timeout_s).close()
-    except OSError as err:
-        return f"{host} unreachable: {err}"
-    return None
+    answer = []
+
+    def connect():
+        try:
+            socket.create_connection((host, 443), timeout=timeout_s).close()
+            answer.append(None)
+        except OSError as err:
+            answer.append(f"{host} unreachable: {err}")
+
+    # In a thread, because create_connection's timeout covers the connection but not the DNS lookup,
+    # which a hanging resolver would hold for its own timeout.
+    attempt = threading.Thread(target=connect, daemon=True)
+    attempt.start()
+    attempt.join(timeout_s)
+    return answer[0] if answer else f"{host} unreachable: no answer in {timeout_s:g} s"
 
 
 def load_examples(dataset: str, split: str, arith_size: int = 20_000, seed: int = 0) -> list[Example]:

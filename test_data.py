@@ -63,3 +63,24 @@ def test_a_malformed_line_in_a_jsonl_dataset_is_skipped_and_reported(tmp_path, c
         examples = data.load_examples(str(path), "train")
     assert [e.answer for e in examples] == ["2", "6"]
     assert "skipped 1 unusable line(s)" in caplog.text and "first at line 2" in caplog.text
+
+
+def test_hub_unreachable_answers_within_its_limit_though_the_dns_lookup_hangs(monkeypatch):
+    """create_connection's timeout covers the connection, not the lookup before it: a resolver that hangs
+    (here for 30 s) would hold hub_unreachable for its own timeout, and every offline start with it."""
+    import socket
+    import threading
+
+    monkeypatch.delenv("HF_HUB_OFFLINE", raising=False)
+    monkeypatch.delenv("HF_DATASETS_OFFLINE", raising=False)
+    monkeypatch.delenv("HF_ENDPOINT", raising=False)
+    release = threading.Event()
+    monkeypatch.setattr(socket, "getaddrinfo", lambda *args, **kwargs: release.wait(30) and [])
+    try:
+        assert data.hub_unreachable(timeout_s=0.2) == "huggingface.co unreachable: no answer in 0.2 s"
+    finally:
+        release.set()
+    monkeypatch.setattr(socket, "create_connection", lambda address, timeout: socket.socket())  # answered: reachable
+    assert data.hub_unreachable(timeout_s=0.2) is None
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")  # offline by choice: left to the hub client's cache
+    assert data.hub_unreachable(timeout_s=0.2) is None
