@@ -853,17 +853,39 @@ def scripted_rewards(monkeypatch, *groups: list[float]) -> None:
 
 
 def spy_on_updates(monkeypatch) -> list[dict]:
-    """Each policy_update's rollouts, rows_in_mean and the LoRA gradient it left (unclipped under --max-grad-norm 1e9)."""
+    """Each policy_update's rollouts, advantages, rows_in_mean and the LoRA gradient it left (unclipped under
+    --max-grad-norm 1e9)."""
     original, calls = train.policy_update, []
 
-    def spy(model, optimizer, scheduler, kept, *args, **kwargs):
-        update = original(model, optimizer, scheduler, kept, *args, **kwargs)
+    def spy(model, optimizer, scheduler, kept, advantages, *args, **kwargs):
+        update = original(model, optimizer, scheduler, kept, advantages, *args, **kwargs)
         grad = torch.cat([p.grad.flatten() for p in model.parameters() if p.requires_grad])
-        calls.append({"kept": kept, "rows_in_mean": kwargs.get("rows_in_mean"), "grad": grad})
+        calls.append({"kept": kept, "advantages": advantages, "rows_in_mean": kwargs.get("rows_in_mean"), "grad": grad})
         return update
 
     monkeypatch.setattr(train, "policy_update", spy)
     return calls
+
+
+def test_the_update_gets_the_rules_rollouts_with_advantages_from_the_kept_rewards(tiny_model_dir, tmp_path, monkeypatch):
+    """Algorithm 1's steps 4-6 through train.main: of rewards [1, 2, 0, 5] and [2, 6, 1, 0], max_variance keeps m=3 of
+    each n=4 (Lemma 3.1: the highest and the two lowest, not the first m nor the top m), and policy_update gets exactly
+    those rollouts, in that order, with advantages normalized over the 3 kept rewards, not over all 4."""
+    generated = []
+    original = sampling.generate_and_score
+    monkeypatch.setattr(sampling, "generate_and_score", lambda *args: generated.append(original(*args)) or generated[-1])
+    scripted_rewards(monkeypatch, [1.0, 2.0, 0.0, 5.0], [2.0, 6.0, 1.0, 0.0])
+    updates = spy_on_updates(monkeypatch)
+    out = tmp_path / "run"
+    assert train.main(tiny_args(tiny_model_dir, out, "--steps", "1", "--m", "3", "--rule", "max_variance")) == 0
+    (scored,), (update,) = generated, updates
+    kept = [0, 2, 3, 5, 6, 7]
+    assert len(update["kept"]) == 6 and all(a is scored.rollouts[i] for a, i in zip(update["kept"], kept))
+    kept_rewards = torch.tensor([[1.0, 0.0, 5.0], [6.0, 1.0, 0.0]])
+    expected = (kept_rewards - kept_rewards.mean(1, keepdim=True)) / (kept_rewards.std(1, keepdim=True) + 1e-4)
+    assert torch.allclose(update["advantages"], expected.flatten(), atol=1e-6)  # over all 4 they would be [-0.46, -0.93, 1.39, ...]
+    (row,) = read_metrics(out)
+    assert row["kept_reward_mean"] == pytest.approx(13 / 6) and row["reward_mean"] == pytest.approx(17 / 8)
 
 
 def test_skip_leaves_uniform_groups_out_and_its_gradient_is_keeps_times_kept_over_informative_rows(tiny_model_dir, tmp_path, monkeypatch):
