@@ -112,7 +112,7 @@ def test_ctrl_c_on_torchrun_stops_both_ranks_after_the_step_with_one_checkpoint(
     steps = [r["step"] for r in read_metrics(out)]
     assert steps == list(range(1, len(steps) + 1))
     assert [p.name for p in checkpoint.find(out)] == [f"checkpoint-{steps[-1]}"]  # the last finished step, saved once
-    assert err.count("interrupted: last checkpoint and metrics are in") == 1
+    assert err.count(f"interrupted: the last checkpoint is {out / f'checkpoint-{steps[-1]}'} (--resume continues from it)") == 1
 
 
 def test_prompts_per_step_that_do_not_divide_among_the_processes_exit_2_with_one_line(tmp_path, capsys, monkeypatch):

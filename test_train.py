@@ -762,7 +762,19 @@ def test_a_second_ctrl_c_quits_without_saving(tiny_model_dir, tmp_path, monkeypa
     out = tmp_path / "run"
     assert train.main(tiny_args(tiny_model_dir, out, "--steps", "5")) == 130
     assert checkpoint.find(out) == [] and not (out / "metrics.jsonl").read_text()
-    assert capsys.readouterr().err.strip().splitlines()[-1].startswith("interrupted:")
+    assert capsys.readouterr().err.strip().splitlines()[-1] == f"interrupted: no checkpoint was saved in {out}, so there is nothing to resume"
+
+
+def test_ctrl_c_while_the_model_loads_says_there_is_nothing_to_resume(tiny_model_dir, tmp_path, monkeypatch, capsys):
+    """Before the loop (loading a model takes a while), a Ctrl-C is Python's KeyboardInterrupt: exit 130, and the last
+    line does not point to a checkpoint that does not exist."""
+    def ctrl_c(*args, **kwargs):
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(train, "load_trainable_policy", ctrl_c)
+    out = tmp_path / "run"
+    assert train.main(tiny_args(tiny_model_dir, out, "--steps", "2")) == 130
+    assert capsys.readouterr().err.strip().splitlines()[-1] == f"interrupted: no checkpoint was saved in {out}, so there is nothing to resume"
 
 
 def test_ctrl_c_before_step_1_finishes_saves_checkpoint_0_which_resumes(tiny_model_dir, tmp_path, monkeypatch):
@@ -785,7 +797,7 @@ def test_ctrl_c_before_step_1_finishes_saves_checkpoint_0_which_resumes(tiny_mod
     assert [r["step"] for r in read_metrics(out)] == [1, 2]
 
 
-def test_ctrl_c_during_a_save_lets_the_save_finish_then_stops(tiny_model_dir, tmp_path, monkeypatch):
+def test_ctrl_c_during_a_save_lets_the_save_finish_then_stops(tiny_model_dir, tmp_path, monkeypatch, capsys):
     monkeypatch.setattr(rewards, "reward", length_reward)
     original = checkpoint.save
 
@@ -797,6 +809,8 @@ def test_ctrl_c_during_a_save_lets_the_save_finish_then_stops(tiny_model_dir, tm
     out = tmp_path / "run"
     assert train.main(tiny_args(tiny_model_dir, out, "--steps", "5", "--save-every-steps", "1")) == 130
     assert [p.name for p in checkpoint.find(out)] == ["checkpoint-1"] and [r["step"] for r in read_metrics(out)] == [1]
+    assert capsys.readouterr().err.strip().splitlines()[-1] == (f"interrupted: the last checkpoint is {out / 'checkpoint-1'} (--resume "
+                                                                f"continues from it); metrics are in {out / 'metrics.jsonl'}")
 
 
 def test_out_of_memory_in_the_update_ends_with_one_line_and_the_last_checkpoint_resumes(tiny_model_dir, tmp_path, monkeypatch, capsys):
