@@ -639,6 +639,15 @@ def test_benchmark_runs_for_small_n_and_leaves_out_m_below_2(tiny_model_dir, cap
         assert update and float(update[1]) > 0 and float(update[3]) > 0 and float(update[4]) > 0
 
 
+def test_benchmark_under_torchrun_exits_2_with_one_line(monkeypatch, capsys):
+    import benchmark
+
+    for name, value in {"RANK": "0", "LOCAL_RANK": "0", "WORLD_SIZE": "2"}.items():
+        monkeypatch.setenv(name, value)
+    assert benchmark.main(["--n", "4"]) == 2
+    assert capsys.readouterr().err == "error: benchmark.py times one process; run it with python, not torchrun\n"
+
+
 def test_benchmark_counts_the_tokens_an_update_reads_with_the_prompt_per_rollout_or_once_per_group():
     import benchmark
 
