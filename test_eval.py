@@ -255,6 +255,7 @@ def test_plot_with_nothing_to_compare_exits_2(tmp_path, capsys):
     assert evaluation.main(["--plot", str(a), str(b), "--out", str(tmp_path / "f.png")]) == 2
     assert "nothing to compare" in capsys.readouterr().err
     assert evaluation.main(["--plot", str(tmp_path / "nope"), "--out", str(tmp_path / "f.png")]) == 2
+    assert capsys.readouterr().err == f"error: {tmp_path / 'nope'} is not a run directory (no config.json)\n"
 
 
 def test_plot_refuses_runs_that_are_not_comparable(tmp_path, capsys):

@@ -656,6 +656,27 @@ def test_benchmark_counts_the_tokens_an_update_reads_with_the_prompt_per_rollout
     assert benchmark.tokens_read(rollouts, share_prompt=True) == (10 + 3 + 4) + (6 + 2)  # each prompt once per group
 
 
+def test_a_checkpoint_from_before_torchrun_support_resumes_as_a_current_one(tiny_model_dir, tmp_path, monkeypatch):
+    """training_state.pt once held one process's random states as torch_rng, numpy_rng and cuda_rng (a list); resumed
+    from such a checkpoint, step 2 (the random rule draws from the numpy generator) is the current format's step 2."""
+    from safetensors.torch import load_file
+
+    monkeypatch.setattr(rewards, "reward", length_reward)
+    current, old = tmp_path / "current", tmp_path / "old"
+    assert train.main(tiny_args(tiny_model_dir, current, "--steps", "1", "--rule", "random")) == 0
+    shutil.copytree(current, old)
+    state_path = old / "checkpoint-1" / "training_state.pt"
+    saved = torch.load(state_path, weights_only=False)
+    (mine,) = saved.pop("random_states")
+    torch.save(saved | {"torch_rng": mine["torch"], "numpy_rng": mine["numpy"], "cuda_rng": None}, state_path)
+    for run in (current, old):
+        assert train.main(tiny_args(tiny_model_dir, run, "--steps", "2", "--rule", "random", "--resume")) == 0
+    rows = [[{k: v for k, v in r.items() if not k.endswith("_s")} for r in read_metrics(run)] for run in (current, old)]
+    assert rows[0] == rows[1] and len(rows[0]) == 2
+    a, b = (load_file(run / "checkpoint-2" / "adapter_model.safetensors") for run in (current, old))
+    assert all(torch.equal(a[k], b[k]) for k in a)
+
+
 def test_resume_auto_starts_a_run_continues_it_and_refuses_a_run_of_other_settings(tiny_model_dir, tmp_path, monkeypatch, capsys):
     monkeypatch.setattr(rewards, "reward", length_reward)
     out = tmp_path / "run"
