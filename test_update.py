@@ -66,6 +66,21 @@ def test_shared_prompt_logprobs_equal_the_unshared_ones(tiny_model_dir, checkpoi
     assert ((shared - unshared).abs() * mask).max().item() <= 1e-5
 
 
+def test_shared_prompt_logprobs_under_eager_attention_equal_the_unshared_ones_and_other_kinds_are_refused(tiny_model_dir):
+    """Eager attention adds the mask to its scores (a float mask: 0 or the dtype's minimum), sdpa takes the boolean one;
+    any other kind (flash attention takes no mask of this shape) stops with what to pass."""
+    model, tokenizer = lora_policy(tiny_model_dir)
+    model.set_attn_implementation("eager")
+    assert model.config._attn_implementation == "eager"
+    rollouts = mixed_length_groups()
+    unshared, mask = update.completion_logprobs(model, rollouts, 0.7, tokenizer.pad_token_id)
+    shared, _ = update.shared_prompt_logprobs(model, rollouts, 0.7, tokenizer.pad_token_id)
+    assert ((shared - unshared).abs() * mask).max().item() <= 1e-5
+    model.config._attn_implementation = "flash_attention_2"
+    with pytest.raises(models.SetupError, match="^--share-prompt needs sdpa or eager attention, not flash_attention_2; pass --no-share-prompt$"):
+        update.shared_prompt_logprobs(model, rollouts, 0.7, tokenizer.pad_token_id)
+
+
 def test_shared_prompt_logprobs_with_completions_shorter_than_the_prompt(tiny_model_dir):
     """A long prompt whose kept completions are short together (a model that learned to answer in a
     few tokens): the packed row holds fewer completion tokens than prompt tokens. This once indexed
