@@ -529,3 +529,17 @@ def test_plot_train_shows_the_share_of_uniform_groups_and_leaves_out_runs_that_d
     assert runs_in("uniform_share") == [(tiny_run.name, "C0")]
     assert runs_in("accuracy") == [(tiny_run.name, "C0"), ("older", "C1")]
 
+
+
+def test_eval_of_a_model_itself_writes_its_results_in_the_current_directory(tiny_model_dir, tmp_path, monkeypatch, caplog):
+    """`python eval.py MODEL` (a hub name, a directory or 'embedded'): the base model alone, results in ./eval-DATASET.json,
+    and on a second call read back from there."""
+    monkeypatch.chdir(tmp_path)
+    argv = [str(tiny_model_dir), "--dataset", "arith", "--limit", "2", "--repeats", "1", "--max-new-tokens", "3"]
+    assert evaluation.main(argv) == 0
+    (row,) = json.loads((tmp_path / "eval-arith.json").read_text())["results"]
+    assert (row["checkpoint"], row["step"], len(row["accuracies"])) == ("base", 0, 1)
+    assert (tmp_path / "eval-arith.csv").read_text().splitlines()[1].startswith("base,0,")
+    with caplog.at_level("INFO", logger="pods"):
+        assert evaluation.main(argv) == 0
+    assert f"0 to evaluate, 1 already in {Path('eval-arith.json')}" in caplog.text
