@@ -22,7 +22,7 @@ import sampling
 import train
 import update
 import vllm_sampler
-from testkit import engines_adapter_dirs_are_gone, lora_policy, read_metrics, tiny_args, vllm_build
+from testkit import engines_adapter_dirs_are_gone, length_reward_script, lora_policy, read_metrics, tiny_args, torchrun, vllm_build
 
 
 def test_vllm_flags_are_checked(tmp_path, capsys):
@@ -154,6 +154,28 @@ def test_vllm_ctrl_c_during_generation_finishes_the_step_saves_and_resumes(embed
     rows = read_metrics(out)
     assert [r["step"] for r in rows] == [1, 2, 3]
     # vLLM's log-probs against the trainer's (bfloat16 adapter copy, float32 trainer): logged every step
+    assert all(0 < r["sampler_gap_mean"] <= r["sampler_gap_max"] < 0.05 for r in rows), [(r["sampler_gap_mean"], r["sampler_gap_max"]) for r in rows]
+    assert engines_adapter_dirs_are_gone()
+
+
+@pytest.mark.vllm
+@pytest.mark.slow
+def test_vllm_under_torchrun_trains_resumes_and_hands_each_ranks_engine_the_new_adapter(embedded_dir, tmp_path):
+    """docs/multi-gpu.md's command with --backend vllm, on vLLM's CPU build: each rank runs its own engine in its own
+    process (external_launcher, as TRL's colocate mode), 2 steps, then --resume to 3. Updates move the adapter (a
+    length reward), and every step's sampler gap (vLLM's log-probs against the trainer's, over both ranks) stays small:
+    each rank's engine generated with the adapter the update had just made."""
+    needs_vllms_cpu_build()
+    out, script = tmp_path / "run", length_reward_script(tmp_path)
+    argv = tiny_args(head64_model(embedded_dir, tmp_path), out, "--backend", "vllm", "--prompts-per-step", "4", "--max-prompt-tokens", "200")
+    first = torchrun(2, *argv, "--steps", "2", script=script)
+    assert first.returncode == 0, first.stderr[-3000:]
+    assert "with vLLM generation on 2 processes (DDP)" in first.stderr
+    resumed = torchrun(2, *argv, "--steps", "3", "--resume", script=script)
+    assert resumed.returncode == 0, resumed.stderr[-3000:]
+    rows = read_metrics(out)
+    assert [r["step"] for r in rows] == [1, 2, 3] and [p.name for p in checkpoint.find(out)] == ["checkpoint-2", "checkpoint-3"]
+    assert all(r["grad_norm"] > 0 for r in rows)
     assert all(0 < r["sampler_gap_mean"] <= r["sampler_gap_max"] < 0.05 for r in rows), [(r["sampler_gap_mean"], r["sampler_gap_max"]) for r in rows]
     assert engines_adapter_dirs_are_gone()
 
