@@ -80,7 +80,8 @@ def tiny_qwen2_dir(tmp_path_factory, embedded_dir) -> Path:
 @pytest.mark.slow
 @pytest.mark.parametrize("model_fixture", ["embedded_dir", "tiny_qwen2_dir"])
 def test_vllm_generates_with_the_lora_adapter_and_matches_transformers_tempered_logprobs(model_fixture, request, tmp_path):
-    """Adapters handed over by update_weights (bfloat16, shared memory); at temperature 0.9 vLLM's
+    """Adapters handed over by update_weights (bfloat16, shared memory), then as eval.py sets them (set_adapter: a saved
+    adapter directory, then None for the base model); at temperature 0.9 vLLM's
     log-probs are those of the tempered policy, the one the update scores. On SmolLM2 (Llama) and on the GPU
     profile's Qwen2 architecture, whose q, k and v carry biases and which vLLM packs into one qkv_proj."""
     needs_vllms_cpu_build()
@@ -94,11 +95,9 @@ def test_vllm_generates_with_the_lora_adapter_and_matches_transformers_tempered_
     sampler = vllm_sampler.VLLMSampler(str(base_dir), tokenizer, max_new_tokens=12, temperature=0.9, lora_rank=8,
                                    max_model_len=512, max_num_seqs=8, gpu_memory_utilization=0.1, dtype="float32", seed=0)
     model = PeftModel.from_pretrained(base, adapters[0])
-    for adapter in adapters:
-        set_peft_model_state_dict(model, load_file(adapter / "adapter_model.safetensors"))
-        sampler.update_weights(model)
-        assert sampler.lora_request.lora_path.startswith(str(sampler.live_dir))
-        groups = sampler.generate(prompts, n=4, logprobs=True)
+
+    def gaps(groups) -> tuple[float, float, float]:
+        """max |vLLM - transformers| log-prob per token: tempered with the adapter, untempered, tempered without it."""
         rollouts = [r for g in groups for r in g]
         assert len(rollouts) == 8 and all(0 < len(r.completion_ids) <= 12 for r in rollouts)
         assert all(r.truncated == (r.completion_ids[-1] not in sampler.stops) for r in rollouts)
@@ -110,10 +109,23 @@ def test_vllm_generates_with_the_lora_adapter_and_matches_transformers_tempered_
             untempered, _ = update.completion_logprobs(model, rollouts, 1.0, tokenizer.pad_token_id)
             with model.disable_adapter():
                 without, _ = update.completion_logprobs(model, rollouts, 0.9, tokenizer.pad_token_id)
-        diff, diff_untempered, diff_base = (((vllm_lp - x).abs() * mask).max().item() for x in (tempered, untempered, without))
+        return tuple(((vllm_lp - x).abs() * mask).max().item() for x in (tempered, untempered, without))
+
+    for adapter in adapters:
+        set_peft_model_state_dict(model, load_file(adapter / "adapter_model.safetensors"))
+        sampler.update_weights(model)
+        assert sampler.lora_request.lora_path.startswith(str(sampler.live_dir))
+        diff, diff_untempered, diff_base = gaps(sampler.generate(prompts, n=4, logprobs=True))
         print(f"{adapter.name}: max |vLLM - transformers| per token {diff:.2e} at T=0.9 with the adapter, "
               f"{diff_untempered:.2f} against T=1, {diff_base:.2f} without the adapter")
         assert diff < 0.02 < 0.05 < min(diff_untempered, diff_base)
+    sampler.set_adapter(str(adapters[0]))  # eval.py's way: a saved adapter directory (float32, as checkpoints hold it)
+    set_peft_model_state_dict(model, load_file(adapters[0] / "adapter_model.safetensors"))
+    diff, _, diff_base = gaps(sampler.generate(prompts, n=4, logprobs=True))
+    assert diff < 0.02 < 0.05 < diff_base
+    sampler.set_adapter(None)  # and the base model
+    diff, _, diff_base = gaps(sampler.generate(prompts, n=4, logprobs=True))
+    assert diff_base < 0.02 < 0.05 < diff
     assert len(list(sampler.live_dir.iterdir())) == 1  # the previous adapter was deleted
     sampler.close()
 
