@@ -115,6 +115,31 @@ def test_ctrl_c_on_torchrun_stops_both_ranks_after_the_step_with_one_checkpoint(
     assert err.count(f"interrupted: the last checkpoint is {out / f'checkpoint-{steps[-1]}'} (--resume continues from it)") == 1
 
 
+def test_a_second_ctrl_c_on_torchrun_stops_both_ranks_without_saving(tiny_model_dir, tmp_path):
+    """torchrun passes the first Ctrl-C on to each rank and SIGTERMs them at the second; that is each rank's second signal,
+    so they quit without saving, and rank 0's last line says there is nothing to resume. Updates take 3 s here, so both
+    signals arrive within one step."""
+    out, script = tmp_path / "run", tmp_path / "slow_updates.py"
+    script.write_text(f"import sys, time\nsys.path.insert(0, {str(Path(__file__).parent)!r})\nimport train\n"
+                      "update = train.policy_update\n"
+                      "train.policy_update = lambda *args, **kwargs: time.sleep(3) or update(*args, **kwargs)\n"
+                      "sys.exit(train.main())\n")
+    launcher = torchrun(2, *tiny_args(tiny_model_dir, out, "--steps", "100000", "--prompts-per-step", "4"), script=str(script), wait=False)
+    try:
+        deadline = time.time() + 120
+        while not ((out / "metrics.jsonl").exists() and (out / "metrics.jsonl").read_text().count("\n") >= 1):
+            assert time.time() < deadline and launcher.poll() is None, "no training steps"
+            time.sleep(0.2)
+        launcher.send_signal(signal.SIGINT)
+        time.sleep(0.5)
+        launcher.send_signal(signal.SIGINT)
+        _, err = launcher.communicate(timeout=60)
+    finally:
+        launcher.kill()
+    assert launcher.returncode != 0 and checkpoint.find(out) == []
+    assert err.count(f"interrupted: no checkpoint was saved in {out}, so there is nothing to resume") == 1, err[-3000:]
+
+
 def test_prompts_per_step_that_do_not_divide_among_the_processes_exit_2_with_one_line(tmp_path, capsys, monkeypatch):
     """Checked before the ranks meet, so each exits at once (torchrun then reports the failed ranks)."""
     for name, value in {"RANK": "0", "LOCAL_RANK": "0", "WORLD_SIZE": "2"}.items():
