@@ -192,6 +192,28 @@ def test_vllm_under_torchrun_trains_resumes_and_hands_each_ranks_engine_the_new_
     assert engines_adapter_dirs_are_gone()
 
 
+@pytest.mark.vllm
+@pytest.mark.slow
+def test_eval_with_vllm_evaluates_the_base_model_and_each_checkpoint_on_the_real_engine(embedded_dir, tmp_path, monkeypatch, caplog):
+    """eval.py --backend vllm on vLLM's CPU build (elsewhere it is tested against a fake): one engine for the base model
+    and the run's checkpoint, each through set_adapter; the results file holds both rows, and the engine is shut down."""
+    needs_vllms_cpu_build()
+    import eval as evaluation
+
+    monkeypatch.setattr(rewards, "reward", lambda completion, answer: float(len(completion) % 3))  # the update moves the adapter
+    run = tmp_path / "run"
+    assert train.main(tiny_args(head64_model(embedded_dir, tmp_path), run, "--steps", "1", "--max-prompt-tokens", "200")) == 0
+    out = tmp_path / "eval.json"
+    with caplog.at_level(logging.INFO, logger="pods"):
+        assert evaluation.main([str(run), "--dataset", "arith", "--limit", "2", "--repeats", "1", "--backend", "vllm",
+                                "--max-new-tokens", "4", "--out", str(out)]) == 0
+    assert "generation backend: vLLM, 2 questions" in caplog.text
+    results = json.loads(out.read_text())
+    assert [(r["checkpoint"], r["step"], len(r["accuracies"])) for r in results["results"]] == [("base", 0, 1), ("checkpoint-1", 1, 1)]
+    assert "precision" not in results["settings"]  # vLLM generates in bfloat16, whatever the CPU (named only when float32)
+    assert engines_adapter_dirs_are_gone()
+
+
 def head64_model(embedded_dir: Path, tmp_path: Path) -> Path:
     """A tiny random Llama with the embedded model's tokenizer and a head size vLLM's CPU attention takes (32, 64, 128, ...)."""
     from transformers import AutoTokenizer, LlamaConfig, LlamaForCausalLM
