@@ -32,9 +32,11 @@ import torch
 import checkpoint
 import config
 import data
+import distributed
 import grpo
 import model as models
 import pods
+import progress
 import sampling
 import train
 import vllm_sampler
@@ -301,8 +303,9 @@ def matmuls_ms(model, rows: int, repeats: int = 3) -> float:
 def main(argv: list[str] | None = None) -> int:
     """train.py's flags (config.parse_args over train.Args); a bad one exits 2 with one line, as train.py's do."""
     args = config.parse_args(train.Args, sys.argv[1:] if argv is None else argv, __doc__.split("\n")[0])
-    if "RANK" in os.environ:  # each rank would time the whole batch on its own, all on one GPU
-        print("error: benchmark.py times one process; run it with python, not torchrun", file=sys.stderr)
+    world = distributed.world_from_env()
+    if world.launched:  # each rank would time the whole batch on its own, all on one GPU
+        progress.say_at_exit("error: benchmark.py times one process; run it with python, not torchrun", world)
         return 2
     try:
         benchmark(args)

@@ -137,26 +137,26 @@ def arith_levels(dataset: str) -> tuple[int, ...] | None:
 
 def hub_unreachable(timeout_s: float = 3.0) -> str | None:
     """Why the hub (datasets and models) can't be reached, found without the hub client's retries
-    (25-50 s offline); None when it may be. Offline variables (HF_HUB_OFFLINE, HF_DATASETS_OFFLINE)
+    (25-50 s offline), in at most 2 x timeout_s; None when it may be. Offline variables (HF_HUB_OFFLINE, HF_DATASETS_OFFLINE)
     are left to `datasets` and transformers, which then read their local cache."""
     if any(os.environ.get(v, "").lower() in ("1", "true", "yes", "on") for v in ("HF_HUB_OFFLINE", "HF_DATASETS_OFFLINE")):
         return None
     host = urlparse(os.environ.get("HF_ENDPOINT", "https://huggingface.co")).hostname or "huggingface.co"
     answer = []
 
-    def connect():
+    def connect() -> None:
         try:
             socket.create_connection((host, 443), timeout=timeout_s).close()
             answer.append(None)
         except OSError as err:
             answer.append(f"{host} unreachable: {err}")
 
-    # In a thread, because create_connection's timeout covers the connection but not the DNS lookup,
-    # which a hanging resolver would hold for its own timeout.
+    # In a thread, because create_connection's timeout covers the connection but not the DNS lookup before
+    # it, which a hanging resolver would hold for its own timeout: the lookup gets as long as the connection.
     attempt = threading.Thread(target=connect, daemon=True)
     attempt.start()
-    attempt.join(timeout_s)
-    return answer[0] if answer else f"{host} unreachable: no answer in {timeout_s:g} s"
+    attempt.join(2 * timeout_s)
+    return answer[0] if answer else f"{host} unreachable: no answer in {2 * timeout_s:g} s"
 
 
 def load_examples(dataset: str, split: str, arith_size: int = 20_000, seed: int = 0) -> list[Example]:

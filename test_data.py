@@ -67,7 +67,8 @@ def test_a_malformed_line_in_a_jsonl_dataset_is_skipped_and_reported(tmp_path, c
 
 def test_hub_unreachable_answers_within_its_limit_though_the_dns_lookup_hangs(monkeypatch):
     """create_connection's timeout covers the connection, not the lookup before it: a resolver that hangs
-    (here for 30 s) would hold hub_unreachable for its own timeout, and every offline start with it."""
+    (here for 30 s) would hold hub_unreachable for its own timeout, and every offline start with it. The
+    lookup and the connection together get 2 x timeout_s."""
     import socket
     import threading
 
@@ -77,10 +78,16 @@ def test_hub_unreachable_answers_within_its_limit_though_the_dns_lookup_hangs(mo
     release = threading.Event()
     monkeypatch.setattr(socket, "getaddrinfo", lambda *args, **kwargs: release.wait(30) and [])
     try:
-        assert data.hub_unreachable(timeout_s=0.2) == "huggingface.co unreachable: no answer in 0.2 s"
+        assert data.hub_unreachable(timeout_s=0.1) == "huggingface.co unreachable: no answer in 0.2 s"
     finally:
         release.set()
+
+    def refused(address, timeout):
+        raise ConnectionRefusedError(111, "Connection refused")
+
+    monkeypatch.setattr(socket, "create_connection", refused)
+    assert data.hub_unreachable(timeout_s=10) == "huggingface.co unreachable: [Errno 111] Connection refused"
     monkeypatch.setattr(socket, "create_connection", lambda address, timeout: socket.socket())  # answered: reachable
-    assert data.hub_unreachable(timeout_s=0.2) is None
+    assert data.hub_unreachable(timeout_s=10) is None
     monkeypatch.setenv("HF_HUB_OFFLINE", "1")  # offline by choice: left to the hub client's cache
-    assert data.hub_unreachable(timeout_s=0.2) is None
+    assert data.hub_unreachable(timeout_s=10) is None

@@ -99,7 +99,7 @@ def test_a_refusal_under_torchrun_reaches_its_stderr_when_rank_0_is_the_last_to_
 
 def test_ctrl_c_on_torchrun_stops_both_ranks_after_the_step_with_one_checkpoint(tiny_model_dir, tmp_path):
     out = tmp_path / "run"
-    launcher = torchrun(2, *tiny_args(tiny_model_dir, out, "--steps", "100000", "--prompts-per-step", "4"), wait=False)
+    launcher = torchrun(2, *tiny_args(tiny_model_dir, out, "--steps", "100000", "--prompts-per-step", "4", "--time-budget", "3"), wait=False)
     try:
         deadline = time.time() + 120
         while not ((out / "metrics.jsonl").exists() and (out / "metrics.jsonl").read_text().count("\n") >= 2):
@@ -117,14 +117,14 @@ def test_ctrl_c_on_torchrun_stops_both_ranks_after_the_step_with_one_checkpoint(
 
 def test_a_second_ctrl_c_on_torchrun_stops_both_ranks_without_saving(tiny_model_dir, tmp_path):
     """torchrun passes the first Ctrl-C on to each rank and SIGTERMs them at the second; that is each rank's second signal,
-    so they quit without saving, and rank 0's last line says there is nothing to resume. Updates take 3 s here, so both
+    so they quit without saving, and rank 0's last line says how to start again. Updates take 3 s here, so both
     signals arrive within one step."""
     out, script = tmp_path / "run", tmp_path / "slow_updates.py"
     script.write_text(f"import sys, time\nsys.path.insert(0, {str(Path(__file__).parent)!r})\nimport train\n"
                       "update = train.policy_update\n"
                       "train.policy_update = lambda *args, **kwargs: time.sleep(3) or update(*args, **kwargs)\n"
                       "sys.exit(train.main())\n")
-    launcher = torchrun(2, *tiny_args(tiny_model_dir, out, "--steps", "100000", "--prompts-per-step", "4"), script=str(script), wait=False)
+    launcher = torchrun(2, *tiny_args(tiny_model_dir, out, "--steps", "100000", "--prompts-per-step", "4", "--time-budget", "3"), script=str(script), wait=False)
     try:
         deadline = time.time() + 120
         while not ((out / "metrics.jsonl").exists() and (out / "metrics.jsonl").read_text().count("\n") >= 1):
@@ -137,7 +137,7 @@ def test_a_second_ctrl_c_on_torchrun_stops_both_ranks_without_saving(tiny_model_
     finally:
         launcher.kill()
     assert launcher.returncode != 0 and checkpoint.find(out) == []
-    assert err.count(f"interrupted: no checkpoint was saved in {out}, so there is nothing to resume") == 1, err[-3000:]
+    assert err.count(f"interrupted: no checkpoint was saved in {out}; the same command with --resume auto starts the run again") == 1, err[-3000:]
 
 
 def test_prompts_per_step_that_do_not_divide_among_the_processes_exit_2_with_one_line(tmp_path, capsys, monkeypatch):

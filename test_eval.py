@@ -530,7 +530,6 @@ def test_plot_train_shows_the_share_of_uniform_groups_and_leaves_out_runs_that_d
     assert runs_in("accuracy") == [(tiny_run.name, "C0"), ("older", "C1")]
 
 
-
 def test_eval_of_a_model_itself_writes_its_results_in_the_current_directory(tiny_model_dir, tmp_path, monkeypatch, caplog):
     """`python eval.py MODEL` (a hub name, a directory or 'embedded'): the base model alone, results in ./eval-DATASET.json,
     and on a second call read back from there."""

@@ -792,19 +792,25 @@ def test_a_second_ctrl_c_quits_without_saving(tiny_model_dir, tmp_path, monkeypa
     out = tmp_path / "run"
     assert train.main(tiny_args(tiny_model_dir, out, "--steps", "5")) == 130
     assert checkpoint.find(out) == [] and not (out / "metrics.jsonl").read_text()
-    assert capsys.readouterr().err.strip().splitlines()[-1] == f"interrupted: no checkpoint was saved in {out}, so there is nothing to resume"
+    assert capsys.readouterr().err.strip().splitlines()[-1] == f"interrupted: no checkpoint was saved in {out}; the same command with --resume auto starts the run again"
+    monkeypatch.undo()
+    monkeypatch.setattr(rewards, "reward", length_reward)
+    assert train.main(tiny_args(tiny_model_dir, out, "--steps", "1", "--resume", "auto")) == 0  # as the line says
 
 
-def test_ctrl_c_while_the_model_loads_says_there_is_nothing_to_resume(tiny_model_dir, tmp_path, monkeypatch, capsys):
+def test_ctrl_c_while_the_model_loads_says_how_to_start_again(tiny_model_dir, tmp_path, monkeypatch, capsys):
     """Before the loop (loading a model takes a while), a Ctrl-C is Python's KeyboardInterrupt: exit 130, and the last
-    line does not point to a checkpoint that does not exist."""
+    line does not point to a checkpoint that does not exist; what it advises starts the run."""
     def ctrl_c(*args, **kwargs):
         raise KeyboardInterrupt
 
     monkeypatch.setattr(train, "load_trainable_policy", ctrl_c)
     out = tmp_path / "run"
     assert train.main(tiny_args(tiny_model_dir, out, "--steps", "2")) == 130
-    assert capsys.readouterr().err.strip().splitlines()[-1] == f"interrupted: no checkpoint was saved in {out}, so there is nothing to resume"
+    assert capsys.readouterr().err.strip().splitlines()[-1] == f"interrupted: no checkpoint was saved in {out}; the same command with --resume auto starts the run again"
+    monkeypatch.undo()
+    monkeypatch.setattr(rewards, "reward", length_reward)
+    assert train.main(tiny_args(tiny_model_dir, out, "--steps", "1", "--resume", "auto")) == 0
 
 
 def test_ctrl_c_before_step_1_finishes_saves_checkpoint_0_which_resumes(tiny_model_dir, tmp_path, monkeypatch):
