@@ -15,6 +15,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
+import checkpoint
 import config
 import data
 import distributed
@@ -125,6 +126,14 @@ def say_at_exit(message: str, world: distributed.World = distributed.World()) ->
         print(message, file=sys.stderr, flush=True)
     else:
         time.sleep(RANK_0_FIRST_S)
+
+
+def interrupted_line(out_dir: Path) -> str:
+    """The last line of a run a Ctrl-C stopped: what --resume would continue from, if anything."""
+    saved = checkpoint.find(out_dir) if out_dir.is_dir() else []
+    if not saved:
+        return f"interrupted: no checkpoint was saved in {out_dir}; the same command with --resume auto starts the run again"
+    return f"interrupted: the last checkpoint is {saved[-1]} (--resume continues from it); metrics are in {out_dir / 'metrics.jsonl'}"
 
 
 STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM)

@@ -22,7 +22,7 @@ import sampling
 import train
 import update
 import vllm_sampler
-from testkit import engines_adapter_dirs_are_gone, length_reward_script, lora_policy, read_metrics, tiny_args, torchrun, vllm_build
+from testkit import engines_adapter_dirs_are_gone, length_reward, length_reward_script, lora_policy, read_metrics, tiny_args, torchrun, vllm_build
 
 
 def test_vllm_flags_are_checked(tmp_path, capsys):
@@ -200,7 +200,7 @@ def test_eval_with_vllm_evaluates_the_base_model_and_each_checkpoint_on_the_real
     needs_vllms_cpu_build()
     import eval as evaluation
 
-    monkeypatch.setattr(rewards, "reward", lambda completion, answer: float(len(completion) % 3))  # the update moves the adapter
+    monkeypatch.setattr(rewards, "reward", length_reward)  # the update moves the adapter
     run = tmp_path / "run"
     assert train.main(tiny_args(head64_model(embedded_dir, tmp_path), run, "--steps", "1", "--max-prompt-tokens", "200")) == 0
     out = tmp_path / "eval.json"

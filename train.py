@@ -363,14 +363,6 @@ class TrainingError(RuntimeError):
     """Training cannot go on (e.g. non-finite updates in a row); the last good state is saved."""
 
 
-def interrupted_line(out_dir: Path) -> str:
-    """The last line of a run a Ctrl-C stopped: what --resume would continue from, if anything."""
-    saved = checkpoint.find(out_dir) if out_dir.is_dir() else []
-    if not saved:
-        return f"interrupted: no checkpoint was saved in {out_dir}; the same command with --resume auto starts the run again"
-    return f"interrupted: the last checkpoint is {saved[-1]} (--resume continues from it); metrics are in {out_dir / 'metrics.jsonl'}"
-
-
 def main(argv: list[str] | None = None) -> int:
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(message)s", datefmt="%H:%M:%S")
     for noisy in ("httpx", "transformers", "huggingface_hub"):
@@ -396,7 +388,7 @@ def main(argv: list[str] | None = None) -> int:
                              f"--gradient-checkpointing, then --resume from the last checkpoint in {args.out_dir}", world)
         return 1
     except KeyboardInterrupt:
-        progress.say_at_exit(interrupted_line(Path(args.out_dir)) if world.is_main else "", world)
+        progress.say_at_exit(progress.interrupted_line(Path(args.out_dir)) if world.is_main else "", world)
         return 130
     finally:
         distributed.finish(world)
