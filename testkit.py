@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import random
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -23,7 +24,7 @@ def length_reward(completion: str, answer: str) -> float:
     return float(len(completion) % 3)
 
 
-def tiny_args(model_dir: Path, out_dir: Path, *extra: str) -> list[str]:
+def tiny_args(model_dir: Path | str, out_dir: Path, *extra: str) -> list[str]:
     return ["--model", str(model_dir), "--dataset", "arith", "--n", "4", "--m", "2", "--prompts-per-step", "2",
             "--max-new-tokens", "6", "--micro-batch", "3", "--lora-rank", "4", "--lr", "1e-2",
             "--out-dir", str(out_dir), "--save-every-steps", "0", "--save-every-minutes", "0", *extra]
@@ -168,3 +169,17 @@ def write_constructed_run(run: Path, config: dict, step_rows: list[dict], result
                    "accuracies": [a], "format_rate": 0.0} for k, a in results]
         (run / "eval-arith-2.json").write_text(json.dumps({"settings": {"limit": 256}, "results": stored}))
 
+
+def in_hub_cache(model_dir: Path, name: str, cache: Path, monkeypatch=None) -> Path:
+    """`model_dir` under the hub name `name` in a hub cache at `cache`, laid out as the hub client keeps it
+    (models--ORG--NAME/snapshots/REV, refs/main naming REV), and this process's hub client pointed at it
+    if a monkeypatch is given (another process: HF_HUB_CACHE); the snapshot's path."""
+    from huggingface_hub import constants
+
+    repo = cache / ("models--" + name.replace("/", "--"))
+    shutil.copytree(model_dir, repo / "snapshots" / "0123abc")
+    (repo / "refs").mkdir()
+    (repo / "refs" / "main").write_text("0123abc")
+    if monkeypatch is not None:
+        monkeypatch.setattr(constants, "HF_HUB_CACHE", str(cache))
+    return repo / "snapshots" / "0123abc"
