@@ -400,14 +400,20 @@ def test_an_existing_run_is_not_overwritten_without_resume(tiny_model_dir, tmp_p
 
 
 @pytest.mark.slow
-def test_embedded_model_trains_one_step_on_arithmetic(tmp_path):
+def test_embedded_model_trains_one_step_on_arithmetic(tmp_path, monkeypatch):
+    """SmolLM2 never writes the answer format, so the task's rewards are all 0 and its step would learn nothing;
+    with length_reward the step has informative groups, a gradient, and an adapter that moved from its start (B = 0)."""
+    from safetensors.torch import load_file
+
+    monkeypatch.setattr(rewards, "reward", length_reward)
     out = tmp_path / "run"
     argv = ["--model", "embedded", "--dataset", "arith", "--n", "4", "--m", "2", "--prompts-per-step", "2",
             "--max-new-tokens", "12", "--steps", "1", "--out-dir", str(out)]
     assert train.main(argv) == 0
     (row,) = read_metrics(out)
-    assert row["completion_len"] > 0 and 0.0 <= row["accuracy"] <= 1.0
-    assert (out / "checkpoint-1" / "adapter_model.safetensors").exists()
+    assert row["completion_len"] > 0 and row["informative_rows"] > 0 and row["grad_norm"] > 0
+    adapter = load_file(out / "checkpoint-1" / "adapter_model.safetensors")
+    assert any(w.abs().max() > 0 for name, w in adapter.items() if "lora_B" in name)
 
 
 def test_prompt_stream_is_a_permutation_per_epoch_and_resumable():
