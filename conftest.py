@@ -1,7 +1,8 @@
 """Fixtures shared by the test files, and the test-run policy for CI.
 
 Fixtures: every test sees no GPU unless marked cuda; the embedded model, converted once; a tiny
-random 2-layer Llama with its tokenizer for fast plumbing; base-model eval results in a temporary cache.
+random 2-layer Llama with its tokenizer for fast plumbing; a reward it earns unevenly (length_rewards);
+base-model eval results in a temporary cache.
 
 Policy: a test that skips where it should have run fails the run.
 
@@ -21,6 +22,8 @@ import torch
 
 import eval as evaluation  # eval.py; `eval` is a builtin name
 import model as models
+import rewards
+from testkit import length_reward
 
 unexpected_skips: list[str] = []
 
@@ -83,6 +86,13 @@ def tiny_model_dir(tmp_path_factory, embedded_dir) -> Path:
     LlamaForCausalLM(config).save_pretrained(path)
     tokenizer.save_pretrained(path)
     return path
+
+
+@pytest.fixture
+def length_rewards(monkeypatch):
+    """train.py's reward is testkit.length_reward, which a random model earns unevenly: groups differ, advantages are
+    not all 0, and an update moves the adapter."""
+    monkeypatch.setattr(rewards, "reward", length_reward)
 
 
 @pytest.fixture(scope="session", autouse=True)

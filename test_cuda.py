@@ -15,11 +15,10 @@ import torch
 
 import checkpoint
 import eval as evaluation  # eval.py; `eval` is a builtin name
-import rewards
 import sampling
 import train
 import update
-from testkit import checkpointed_lora_policy, engines_adapter_dirs_are_gone, length_reward, mixed_length_groups, on_cuda, read_metrics, tiny_args, torchrun, update_at_lr_0, vllm_build
+from testkit import checkpointed_lora_policy, engines_adapter_dirs_are_gone, mixed_length_groups, on_cuda, read_metrics, tiny_args, torchrun, update_at_lr_0, vllm_build
 
 
 def lora_gradients(model, tokenizer, rollouts, advantages, share: bool) -> torch.Tensor:
@@ -131,12 +130,11 @@ def test_cuda_graph_decode_holds_no_more_memory_with_each_generation(tiny_model_
 
 
 @on_cuda
-def test_cuda_gpu_profile_trains_resumes_exactly_and_evaluates(tiny_model_dir, tmp_path, monkeypatch):
+def test_cuda_gpu_profile_trains_resumes_exactly_and_evaluates(tiny_model_dir, tmp_path, length_rewards):
     """train.py with nothing but the GPU profile's own defaults (the run a GPU user starts), on the tiny
     model with the transformers backend: 2 steps, then --resume to step 3, against a run of 3 steps
     straight. The resumed step 3 samples the same rollouts (torch.cuda's generator is restored) and
     scores them alike; then eval.py evaluates the run on the GPU."""
-    monkeypatch.setattr(rewards, "reward", length_reward)
     argv = ["--model", str(tiny_model_dir), "--dataset", "arith", "--backend", "hf", "--n", "8", "--m", "4",
             "--max-new-tokens", "8", "--save-every-minutes", "0", "--save-every-steps", "0"]
     straight, resumed = tmp_path / "straight", tmp_path / "resumed"

@@ -31,17 +31,16 @@ import progress
 import rewards
 import sampling
 import train
-from testkit import in_hub_cache, length_reward, length_reward_script, lora_policy, read_metrics, tiny_args
+from testkit import in_hub_cache, length_reward_script, lora_policy, read_metrics, tiny_args
 
 METRIC_KEYS = {"step", "elapsed_s", "generation_s", "update_s", "reward_mean", "reward_std", "kept_reward_std", "accuracy",
                "format_rate", "completion_len", "truncated_frac", "loss", "clip_frac", "grad_norm", "lr", "n", "m",
                "uniform_share", "generation_rounds", "prompts_drawn", "informative_rows"}  # the last four in every --uniform-groups mode
 
 
-def test_two_steps_write_metrics_and_an_adapter_then_resume_continues_at_step_3(tiny_model_dir, tmp_path, monkeypatch):
+def test_two_steps_write_metrics_and_an_adapter_then_resume_continues_at_step_3(tiny_model_dir, tmp_path, length_rewards):
     from safetensors.torch import load_file
 
-    monkeypatch.setattr(rewards, "reward", length_reward)
     out = tmp_path / "run"
     assert train.main(tiny_args(tiny_model_dir, out, "--steps", "2")) == 0
     rows = read_metrics(out)
@@ -63,8 +62,7 @@ def test_two_steps_write_metrics_and_an_adapter_then_resume_continues_at_step_3(
     assert any(not torch.equal(resumed[k], weights[k]) for k in weights)
 
 
-def test_resume_drops_metrics_rows_after_the_checkpoint(tiny_model_dir, tmp_path, monkeypatch):
-    monkeypatch.setattr(rewards, "reward", length_reward)
+def test_resume_drops_metrics_rows_after_the_checkpoint(tiny_model_dir, tmp_path, length_rewards):
     out = tmp_path / "run"
     assert train.main(tiny_args(tiny_model_dir, out, "--steps", "2", "--save-every-steps", "1")) == 0
     import shutil
@@ -76,8 +74,7 @@ def test_resume_drops_metrics_rows_after_the_checkpoint(tiny_model_dir, tmp_path
     assert [r["step"] for r in read_metrics(out)] == [1, 2]
 
 
-def test_resume_with_other_settings_exits_2_naming_them(tiny_model_dir, tmp_path, capsys, monkeypatch):
-    monkeypatch.setattr(rewards, "reward", length_reward)
+def test_resume_with_other_settings_exits_2_naming_them(tiny_model_dir, tmp_path, capsys, length_rewards):
     out = tmp_path / "run"
     assert train.main(tiny_args(tiny_model_dir, out, "--steps", "1")) == 0
     assert train.main(tiny_args(tiny_model_dir, out, "--steps", "2", "--resume", "--m", "3")) == 2
@@ -85,11 +82,10 @@ def test_resume_with_other_settings_exits_2_naming_them(tiny_model_dir, tmp_path
     assert "--resume with other settings than" in err and "--m 2 -> 3" in err
 
 
-def test_resume_takes_the_commands_learning_rate_and_says_it_changed(tiny_model_dir, tmp_path, monkeypatch, caplog):
+def test_resume_takes_the_commands_learning_rate_and_says_it_changed(tiny_model_dir, tmp_path, caplog, length_rewards):
     """A restored optimizer would keep the first run's --lr; the resumed run uses the command's (as the
     advice after non-finite updates says: lower --lr, then --resume), with the warm-up factor of its
     step, and warns. The same --lr again: the same value, and no warning."""
-    monkeypatch.setattr(rewards, "reward", length_reward)
     out = tmp_path / "run"
     warmup = ["--warmup-ratio", "0.5"]  # a warm-up over 2 of 4 steps: factors 0.5, 1, 1, 1
     assert train.main(tiny_args(tiny_model_dir, out, "--steps", "4", *warmup, "--save-every-steps", "1")) == 0
@@ -111,10 +107,9 @@ def test_resume_takes_the_commands_learning_rate_and_says_it_changed(tiny_model_
     assert saved["initial_lr"] == 1e-3 and saved["weight_decay"] == 0.05
 
 
-def test_resume_refuses_a_model_other_than_the_runs(tiny_model_dir, tmp_path, monkeypatch, capsys):
+def test_resume_refuses_a_model_other_than_the_runs(tiny_model_dir, tmp_path, capsys, length_rewards):
     """--model auto falls back to the embedded model where the hub is out of reach: a run resumed so would
     load an adapter that fits only its own model. It stops in one line naming the run's model."""
-    monkeypatch.setattr(rewards, "reward", length_reward)
     out = tmp_path / "run"
     assert train.main(tiny_args(tiny_model_dir, out, "--steps", "1")) == 0
     saved = json.loads((out / "config.json").read_text())
@@ -127,11 +122,10 @@ def test_resume_refuses_a_model_other_than_the_runs(tiny_model_dir, tmp_path, mo
     assert [r["step"] for r in read_metrics(out)] == [1]
 
 
-def test_resume_on_a_cpu_of_the_other_kind_warns_that_the_precision_changes(tiny_model_dir, tmp_path, monkeypatch, caplog):
+def test_resume_on_a_cpu_of_the_other_kind_warns_that_the_precision_changes(tiny_model_dir, tmp_path, monkeypatch, caplog, length_rewards):
     """A run started with the defaults on a CPU with bfloat16 arithmetic and resumed with the defaults on
     one without (an AVX2 laptop) continues in float32, and says so, naming the flags that keep the run's
     own precision; resumed with those flags, it says nothing."""
-    monkeypatch.setattr(rewards, "reward", length_reward)
     out = tmp_path / "run"
     monkeypatch.setattr(models, "computes_bfloat16", lambda device: True)
     assert train.main(tiny_args(tiny_model_dir, out, "--steps", "1")) == 0
@@ -146,7 +140,7 @@ def test_resume_on_a_cpu_of_the_other_kind_warns_that_the_precision_changes(tiny
 
 
 @pytest.mark.parametrize("bf16_cpu", [True, False], ids=["cpu-with-bfloat16", "cpu-without-bfloat16"])
-def test_default_command_on_a_cpu_takes_the_built_in_task_without_touching_the_network(tiny_model_dir, tmp_path, monkeypatch, caplog, bf16_cpu):
+def test_default_command_on_a_cpu_takes_the_built_in_task_without_touching_the_network(tiny_model_dir, tmp_path, monkeypatch, caplog, bf16_cpu, length_rewards):
     """`python train.py --n 32 --m 16` with no GPU: --dataset auto is the arithmetic task, and no
     connection is attempted (the tiny model stands in for the embedded one through --model). It
     computes in bfloat16 on a CPU with bfloat16 arithmetic (AVX-512 BF16, AMX) and in float32 on one
@@ -160,7 +154,6 @@ def test_default_command_on_a_cpu_takes_the_built_in_task_without_touching_the_n
 
     monkeypatch.setattr(socket, "create_connection", no_network)
     monkeypatch.setattr(socket.socket, "connect", no_network)
-    monkeypatch.setattr(rewards, "reward", length_reward)
     out = tmp_path / "run"
     argv = ["--n", "32", "--m", "16", "--model", str(tiny_model_dir), "--steps", "1", "--max-new-tokens", "4",
             "--prompts-per-step", "1", "--lora-rank", "4", "--out-dir", str(out)]
@@ -235,8 +228,7 @@ def test_progress_bar_counts_minutes_under_a_time_budget_and_steps_otherwise(bud
 
 
 @pytest.mark.parametrize("signum", [signal.SIGINT, signal.SIGTERM])  # SIGTERM: what a cluster scheduler sends before its kill
-def test_ctrl_c_or_sigterm_finishes_the_step_saves_and_exits_130(tiny_model_dir, tmp_path, monkeypatch, signum):
-    monkeypatch.setattr(rewards, "reward", length_reward)
+def test_ctrl_c_or_sigterm_finishes_the_step_saves_and_exits_130(tiny_model_dir, tmp_path, monkeypatch, signum, length_rewards):
     original = train.policy_update
 
     def interrupted_update(*args, **kwargs):
@@ -252,10 +244,9 @@ def test_ctrl_c_or_sigterm_finishes_the_step_saves_and_exits_130(tiny_model_dir,
     assert signal.getsignal(signum) == before  # restored
 
 
-def test_ctrl_c_that_kills_the_generation_engine_saves_the_last_finished_step(tiny_model_dir, tmp_path, monkeypatch):
+def test_ctrl_c_that_kills_the_generation_engine_saves_the_last_finished_step(tiny_model_dir, tmp_path, monkeypatch, length_rewards):
     """vLLM's engine process also gets the Ctrl-C and may die mid-generation: the run still saves
     a checkpoint of the last finished step, with the data position of that step."""
-    monkeypatch.setattr(rewards, "reward", length_reward)
     original, calls = sampling.generate_and_score, []
 
     def engine_dies_on_step_2(*args):
@@ -388,8 +379,7 @@ def test_a_file_with_no_usable_rows_exits_2(tmp_path, capsys):
     assert "has no usable rows" in capsys.readouterr().err
 
 
-def test_an_existing_run_is_not_overwritten_without_resume(tiny_model_dir, tmp_path, capsys, monkeypatch):
-    monkeypatch.setattr(rewards, "reward", length_reward)
+def test_an_existing_run_is_not_overwritten_without_resume(tiny_model_dir, tmp_path, capsys, length_rewards):
     out = tmp_path / "run"
     assert train.main(tiny_args(tiny_model_dir, out, "--steps", "1")) == 0
     assert train.main(tiny_args(tiny_model_dir, out, "--steps", "1")) == 2
@@ -400,12 +390,11 @@ def test_an_existing_run_is_not_overwritten_without_resume(tiny_model_dir, tmp_p
 
 
 @pytest.mark.slow
-def test_embedded_model_trains_one_step_on_arithmetic(tmp_path, monkeypatch):
+def test_embedded_model_trains_one_step_on_arithmetic(tmp_path, length_rewards):
     """SmolLM2 never writes the answer format, so the task's rewards are all 0 and its step would learn nothing;
     with length_reward the step has informative groups, a gradient, and an adapter that moved from its start (B = 0)."""
     from safetensors.torch import load_file
 
-    monkeypatch.setattr(rewards, "reward", length_reward)
     out = tmp_path / "run"
     argv = ["--model", "embedded", "--dataset", "arith", "--n", "4", "--m", "2", "--prompts-per-step", "2",
             "--max-new-tokens", "12", "--steps", "1", "--out-dir", str(out)]
@@ -458,12 +447,11 @@ def test_resolve_on_a_gpu_gives_the_authors_single_gpu_configuration():
     assert cpu.bf16_autocast is models.computes_bfloat16("cpu") and cpu.merged_sampler  # float32 where bfloat16 is emulated
 
 
-def test_gpu_profile_dress_rehearsal_on_a_cpu_trains_saves_and_resumes(tiny_model_dir, tmp_path, monkeypatch):
+def test_gpu_profile_dress_rehearsal_on_a_cpu_trains_saves_and_resumes(tiny_model_dir, tmp_path, monkeypatch, length_rewards):
     """train.py's real start-up and steps with every value of the GPU profile (bfloat16 base weights,
     activation checkpointing through load_trainable_policy, no autocast, micro-batch 4, one prompt
     per step, LoRA r64 on all seven projections), only fewer steps and tokens; then --resume. With
     transformers 5.23 the checkpointing call once crashed this start-up."""
-    monkeypatch.setattr(rewards, "reward", length_reward)
     original, seen = train.policy_update, []
 
     def spy(model, *args, **kwargs):
@@ -504,9 +492,8 @@ def test_activation_checkpointing_is_switched_on_by_the_name_this_transformers_h
     assert renamed == (tuple(int(x) for x in transformers.__version__.split(".")[:2]) >= (5, 23))
 
 
-def test_resume_loads_the_training_state_onto_the_cpu_first(tiny_model_dir, tmp_path, monkeypatch):
+def test_resume_loads_the_training_state_onto_the_cpu_first(tiny_model_dir, tmp_path, monkeypatch, length_rewards):
     """Without map_location every torchrun rank would restore rank 0's GPU tensors onto GPU 0."""
-    monkeypatch.setattr(rewards, "reward", length_reward)
     out = tmp_path / "run"
     assert train.main(tiny_args(tiny_model_dir, out, "--steps", "1")) == 0
     original, calls = torch.load, []
@@ -561,13 +548,11 @@ def add_seconds_to_each_step(monkeypatch, seconds: float) -> None:
 
 
 @pytest.mark.parametrize("extra_s, steps", [(40.0, 1), (3.0, 2)])  # far past the budget, and just past it
-def test_a_time_budget_overshot_by_the_last_step_still_saves_and_a_resume_past_it_ends_cleanly(tiny_model_dir, tmp_path, monkeypatch, caplog,
-                                                                                              extra_s, steps):
+def test_a_time_budget_overshot_by_the_last_step_still_saves_and_a_resume_past_it_ends_cleanly(tiny_model_dir, tmp_path, monkeypatch, caplog, extra_s, steps, length_rewards):
     """--time-budget 0.1 (6 s) and steps that take `extra_s` more. At 40 s the bar's count passes its
     total by more than half a minute (tqdm once dropped the total then, and the bar's format crashed
     the run before the checkpoint). The run must stop after the step that spends the budget, with its
     checkpoint; a resume with the same budget must start, see the budget spent and end without a new step."""
-    monkeypatch.setattr(rewards, "reward", length_reward)
     add_seconds_to_each_step(monkeypatch, extra_s)
     out = tmp_path / "run"
     with caplog.at_level(logging.INFO, logger="pods"):
@@ -581,10 +566,9 @@ def test_a_time_budget_overshot_by_the_last_step_still_saves_and_a_resume_past_i
     assert [p.name for p in checkpoint.find(out)] == [f"checkpoint-{steps}"]
 
 
-def test_a_failing_progress_bar_or_metrics_write_does_not_cost_the_checkpoint(tiny_model_dir, tmp_path, monkeypatch, caplog):
+def test_a_failing_progress_bar_or_metrics_write_does_not_cost_the_checkpoint(tiny_model_dir, tmp_path, monkeypatch, caplog, length_rewards):
     from tqdm import tqdm
 
-    monkeypatch.setattr(rewards, "reward", length_reward)
 
     def broken(self, *args, **kwargs):
         raise RuntimeError("terminal gone")
@@ -597,10 +581,9 @@ def test_a_failing_progress_bar_or_metrics_write_does_not_cost_the_checkpoint(ti
     assert [p.name for p in checkpoint.find(out)] == ["checkpoint-2"] and len(read_metrics(out)) == 2
 
 
-def test_every_training_flag_reaches_the_run(tiny_model_dir, tmp_path, monkeypatch):
+def test_every_training_flag_reaches_the_run(tiny_model_dir, tmp_path, monkeypatch, length_rewards):
     """Flags no other test drives through main: the optimizer's, LoRA alpha, the seed, warm-up, the
     gradient clip, the prompt-length filter and time-based saves (each step reported 61 s long)."""
-    monkeypatch.setattr(rewards, "reward", length_reward)
     add_seconds_to_each_step(monkeypatch, 61.0)
     optimizers = []
     original = train.policy_update
@@ -675,12 +658,11 @@ def test_benchmark_counts_the_tokens_an_update_reads_with_the_prompt_per_rollout
     assert benchmark.tokens_read(rollouts, share_prompt=True) == (10 + 3 + 4) + (6 + 2)  # each prompt once per group
 
 
-def test_a_checkpoint_from_before_torchrun_support_resumes_as_a_current_one(tiny_model_dir, tmp_path, monkeypatch):
+def test_a_checkpoint_from_before_torchrun_support_resumes_as_a_current_one(tiny_model_dir, tmp_path, length_rewards):
     """training_state.pt once held one process's random states as torch_rng, numpy_rng and cuda_rng (a list); resumed
     from such a checkpoint, step 2 (the random rule draws from the numpy generator) is the current format's step 2."""
     from safetensors.torch import load_file
 
-    monkeypatch.setattr(rewards, "reward", length_reward)
     current, old = tmp_path / "current", tmp_path / "old"
     assert train.main(tiny_args(tiny_model_dir, current, "--steps", "1", "--rule", "random")) == 0
     shutil.copytree(current, old)
@@ -696,8 +678,7 @@ def test_a_checkpoint_from_before_torchrun_support_resumes_as_a_current_one(tiny
     assert all(torch.equal(a[k], b[k]) for k in a)
 
 
-def test_resume_auto_starts_a_run_continues_it_and_refuses_a_run_of_other_settings(tiny_model_dir, tmp_path, monkeypatch, capsys):
-    monkeypatch.setattr(rewards, "reward", length_reward)
+def test_resume_auto_starts_a_run_continues_it_and_refuses_a_run_of_other_settings(tiny_model_dir, tmp_path, capsys, length_rewards):
     out = tmp_path / "run"
     assert train.main(tiny_args(tiny_model_dir, out, "--steps", "1", "--resume", "auto")) == 0  # nothing there: starts
     assert train.main(tiny_args(tiny_model_dir, out, "--steps", "2", "--resume", "auto")) == 0  # a checkpoint: continues
@@ -729,10 +710,9 @@ def nan_loss_on_steps(monkeypatch, steps: set[int]) -> None:
     monkeypatch.setattr(train.grpo, "grpo_loss", loss)
 
 
-def test_a_non_finite_update_is_skipped_leaving_weights_and_optimizer_state_and_the_run_goes_on(tiny_model_dir, tmp_path, monkeypatch, caplog):
+def test_a_non_finite_update_is_skipped_leaving_weights_and_optimizer_state_and_the_run_goes_on(tiny_model_dir, tmp_path, monkeypatch, caplog, length_rewards):
     from safetensors.torch import load_file
 
-    monkeypatch.setattr(rewards, "reward", length_reward)
     nan_loss_on_steps(monkeypatch, {2})
     out = tmp_path / "run"
     with caplog.at_level(logging.INFO, logger="pods"):
@@ -748,10 +728,9 @@ def test_a_non_finite_update_is_skipped_leaving_weights_and_optimizer_state_and_
         assert all(torch.equal(value[name], state_2["state"][key][name]) for name in ("step", "exp_avg", "exp_avg_sq"))
 
 
-def test_non_finite_updates_in_a_row_stop_the_run_with_one_line_and_a_checkpoint_of_the_last_good_weights(tiny_model_dir, tmp_path, monkeypatch, capsys):
+def test_non_finite_updates_in_a_row_stop_the_run_with_one_line_and_a_checkpoint_of_the_last_good_weights(tiny_model_dir, tmp_path, monkeypatch, capsys, length_rewards):
     from safetensors.torch import load_file
 
-    monkeypatch.setattr(rewards, "reward", length_reward)
     nan_loss_on_steps(monkeypatch, {2, 3, 4, 5, 6})
     out = tmp_path / "run"
     assert train.main(tiny_args(tiny_model_dir, out, "--steps", "10", "--save-every-steps", "1", "--max-skipped-steps", "2")) == 1
@@ -762,8 +741,7 @@ def test_non_finite_updates_in_a_row_stop_the_run_with_one_line_and_a_checkpoint
     assert all(torch.equal(good[k], last[k]) for k in good)
 
 
-def test_a_disk_that_fills_during_a_checkpoint_leaves_the_previous_one_loadable(tiny_model_dir, tmp_path, monkeypatch, capsys):
-    monkeypatch.setattr(rewards, "reward", length_reward)
+def test_a_disk_that_fills_during_a_checkpoint_leaves_the_previous_one_loadable(tiny_model_dir, tmp_path, monkeypatch, capsys, length_rewards):
     original, saves = torch.save, []
 
     def fills_on_the_second_checkpoint(obj, path, *args, **kwargs):
@@ -785,8 +763,7 @@ def test_a_disk_that_fills_during_a_checkpoint_leaves_the_previous_one_loadable(
     assert [r["step"] for r in read_metrics(out)] == [1, 2, 3]
 
 
-def test_an_incomplete_checkpoint_directory_is_left_out_and_resume_takes_the_last_complete_one(tiny_model_dir, tmp_path, monkeypatch, caplog):
-    monkeypatch.setattr(rewards, "reward", length_reward)
+def test_an_incomplete_checkpoint_directory_is_left_out_and_resume_takes_the_last_complete_one(tiny_model_dir, tmp_path, caplog, length_rewards):
     out = tmp_path / "run"
     assert train.main(tiny_args(tiny_model_dir, out, "--steps", "2", "--save-every-steps", "1")) == 0
     (out / "checkpoint-2" / "training_state.pt").unlink()  # damaged, or copied in part
@@ -798,8 +775,7 @@ def test_an_incomplete_checkpoint_directory_is_left_out_and_resume_takes_the_las
     assert [r["step"] for r in read_metrics(out)] == [1, 2] and [p.name for p in checkpoint.find(out)] == ["checkpoint-1", "checkpoint-2"]
 
 
-def test_a_second_ctrl_c_quits_without_saving(tiny_model_dir, tmp_path, monkeypatch, capsys):
-    monkeypatch.setattr(rewards, "reward", length_reward)
+def test_a_second_ctrl_c_quits_without_saving(tiny_model_dir, tmp_path, monkeypatch, capsys, length_rewards):
     original = train.policy_update
 
     def twice(*args, **kwargs):
@@ -812,12 +788,11 @@ def test_a_second_ctrl_c_quits_without_saving(tiny_model_dir, tmp_path, monkeypa
     assert train.main(tiny_args(tiny_model_dir, out, "--steps", "5")) == 130
     assert checkpoint.find(out) == [] and not (out / "metrics.jsonl").read_text()
     assert capsys.readouterr().err.strip().splitlines()[-1] == f"interrupted: no checkpoint was saved in {out}; the same command with --resume auto starts the run again"
-    monkeypatch.undo()
-    monkeypatch.setattr(rewards, "reward", length_reward)
+    monkeypatch.setattr(train, "policy_update", original)
     assert train.main(tiny_args(tiny_model_dir, out, "--steps", "1", "--resume", "auto")) == 0  # as the line says
 
 
-def test_ctrl_c_while_the_model_loads_says_how_to_start_again(tiny_model_dir, tmp_path, monkeypatch, capsys):
+def test_ctrl_c_while_the_model_loads_says_how_to_start_again(tiny_model_dir, tmp_path, monkeypatch, capsys, length_rewards):
     """Before the loop (loading a model takes a while), a Ctrl-C is Python's KeyboardInterrupt: exit 130, and the last
     line does not point to a checkpoint that does not exist; what it advises starts the run."""
     def ctrl_c(*args, **kwargs):
@@ -827,15 +802,15 @@ def test_ctrl_c_while_the_model_loads_says_how_to_start_again(tiny_model_dir, tm
     out = tmp_path / "run"
     assert train.main(tiny_args(tiny_model_dir, out, "--steps", "2")) == 130
     assert capsys.readouterr().err.strip().splitlines()[-1] == f"interrupted: no checkpoint was saved in {out}; the same command with --resume auto starts the run again"
-    monkeypatch.undo()
-    monkeypatch.setattr(rewards, "reward", length_reward)
+    monkeypatch.setattr(train, "load_trainable_policy", models.load_trainable_policy)
     assert train.main(tiny_args(tiny_model_dir, out, "--steps", "1", "--resume", "auto")) == 0
 
 
-def test_ctrl_c_before_step_1_finishes_saves_checkpoint_0_which_resumes(tiny_model_dir, tmp_path, monkeypatch):
+def test_ctrl_c_before_step_1_finishes_saves_checkpoint_0_which_resumes(tiny_model_dir, tmp_path, monkeypatch, length_rewards):
     """The engine dies in step 1's generation after a Ctrl-C: nothing was trained, and the saved state
     is the start (so a resume repeats step 1 with the same prompts)."""
-    monkeypatch.setattr(rewards, "reward", length_reward)
+
+    original = sampling.generate_and_score
 
     def engine_dies(*args):
         os.kill(os.getpid(), signal.SIGINT)
@@ -846,14 +821,12 @@ def test_ctrl_c_before_step_1_finishes_saves_checkpoint_0_which_resumes(tiny_mod
     assert train.main(tiny_args(tiny_model_dir, out, "--steps", "2")) == 130
     assert [p.name for p in checkpoint.find(out)] == ["checkpoint-0"]
     assert json.loads((out / "checkpoint-0" / "trainer_state.json").read_text())["data_position"] == 0
-    monkeypatch.undo()
-    monkeypatch.setattr(rewards, "reward", length_reward)
+    monkeypatch.setattr(sampling, "generate_and_score", original)
     assert train.main(tiny_args(tiny_model_dir, out, "--steps", "2", "--resume")) == 0
     assert [r["step"] for r in read_metrics(out)] == [1, 2]
 
 
-def test_ctrl_c_during_a_save_lets_the_save_finish_then_stops(tiny_model_dir, tmp_path, monkeypatch, capsys):
-    monkeypatch.setattr(rewards, "reward", length_reward)
+def test_ctrl_c_during_a_save_lets_the_save_finish_then_stops(tiny_model_dir, tmp_path, monkeypatch, capsys, length_rewards):
     original = checkpoint.save
 
     def interrupted_save(*args, **kwargs):
@@ -868,8 +841,7 @@ def test_ctrl_c_during_a_save_lets_the_save_finish_then_stops(tiny_model_dir, tm
                                                                 f"continues from it); metrics are in {out / 'metrics.jsonl'}")
 
 
-def test_out_of_memory_in_the_update_ends_with_one_line_and_the_last_checkpoint_resumes(tiny_model_dir, tmp_path, monkeypatch, capsys):
-    monkeypatch.setattr(rewards, "reward", length_reward)
+def test_out_of_memory_in_the_update_ends_with_one_line_and_the_last_checkpoint_resumes(tiny_model_dir, tmp_path, monkeypatch, capsys, length_rewards):
     original, calls = train.policy_update, []
 
     def oom_in_step_2(*args, **kwargs):

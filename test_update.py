@@ -6,17 +6,15 @@ import pytest
 import torch
 
 import model as models
-import rewards
 import sampling
 import train
 import update
-from testkit import checkpointed_lora_policy, length_reward, lora_policy, mixed_length_groups, read_metrics, tiny_args, update_at_lr_0
+from testkit import checkpointed_lora_policy, lora_policy, mixed_length_groups, read_metrics, tiny_args, update_at_lr_0
 
 
-def test_kl_penalty_measures_the_distance_from_the_base_model(tiny_model_dir, tmp_path, monkeypatch):
+def test_kl_penalty_measures_the_distance_from_the_base_model(tiny_model_dir, tmp_path, length_rewards):
     """--beta > 0: the reference is the model with the adapter off; KL is 0 while the adapter is
     still zero (step 1) and positive once the update has moved it (step 2)."""
-    monkeypatch.setattr(rewards, "reward", length_reward)
     out = tmp_path / "run"
     assert train.main(tiny_args(tiny_model_dir, out, "--steps", "2", "--beta", "0.1")) == 0
     rows = read_metrics(out)
@@ -25,9 +23,8 @@ def test_kl_penalty_measures_the_distance_from_the_base_model(tiny_model_dir, tm
 
 @pytest.mark.parametrize("share", ["--share-prompt", "--no-share-prompt"])
 @pytest.mark.parametrize("rule, m, rows_per_step", [("max_variance", 2, 4), ("random", 3, 6), ("none", 4, 8)])
-def test_only_the_kept_rollouts_enter_the_update(tiny_model_dir, tmp_path, monkeypatch, rule, m, rows_per_step, share):
+def test_only_the_kept_rollouts_enter_the_update(tiny_model_dir, tmp_path, monkeypatch, rule, m, rows_per_step, share, length_rewards):
     """2 prompts x n=4 generated; the training forward passes see exactly 2 x m rollouts per step."""
-    monkeypatch.setattr(rewards, "reward", length_reward)
     rollouts_seen = []
 
     def counting(original):

@@ -22,7 +22,7 @@ import sampling
 import train
 import update
 import vllm_sampler
-from testkit import engines_adapter_dirs_are_gone, in_hub_cache, length_reward, length_reward_script, lora_policy, read_metrics, tiny_args, torchrun, vllm_build
+from testkit import engines_adapter_dirs_are_gone, in_hub_cache, length_reward_script, lora_policy, read_metrics, tiny_args, torchrun, vllm_build
 
 
 def test_vllm_flags_are_checked(tmp_path, capsys):
@@ -194,13 +194,12 @@ def test_vllm_under_torchrun_trains_resumes_and_hands_each_ranks_engine_the_new_
 
 @pytest.mark.vllm
 @pytest.mark.slow
-def test_eval_with_vllm_evaluates_the_base_model_and_each_checkpoint_on_the_real_engine(embedded_dir, tmp_path, monkeypatch, caplog):
+def test_eval_with_vllm_evaluates_the_base_model_and_each_checkpoint_on_the_real_engine(embedded_dir, tmp_path, caplog, length_rewards):
     """eval.py --backend vllm on vLLM's CPU build (elsewhere it is tested against a fake): one engine for the base model
     and the run's checkpoint, each through set_adapter; the results file holds both rows, and the engine is shut down."""
     needs_vllms_cpu_build()
     import eval as evaluation
 
-    monkeypatch.setattr(rewards, "reward", length_reward)  # the update moves the adapter
     run = tmp_path / "run"
     assert train.main(tiny_args(head64_model(embedded_dir, tmp_path), run, "--steps", "1", "--max-prompt-tokens", "200")) == 0
     out = tmp_path / "eval.json"
