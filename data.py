@@ -141,12 +141,14 @@ def hub_unreachable(timeout_s: float = 3.0) -> str | None:
     are left to `datasets` and transformers, which then read their local cache."""
     if any(os.environ.get(v, "").lower() in ("1", "true", "yes", "on") for v in ("HF_HUB_OFFLINE", "HF_DATASETS_OFFLINE")):
         return None
-    host = urlparse(os.environ.get("HF_ENDPOINT", "https://huggingface.co")).hostname or "huggingface.co"
+    endpoint = urlparse(os.environ.get("HF_ENDPOINT", "https://huggingface.co"))
+    host = endpoint.hostname or "huggingface.co"
+    port = endpoint.port or (80 if endpoint.scheme == "http" else 443)
     answer = []
 
     def connect() -> None:
         try:
-            socket.create_connection((host, 443), timeout=timeout_s).close()
+            socket.create_connection((host, port), timeout=timeout_s).close()
             answer.append(None)
         except OSError as err:
             answer.append(f"{host} unreachable: {err}")

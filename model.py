@@ -90,6 +90,7 @@ def engine_model_path(model: str) -> str:
     directory in the local cache. Given the hub name offline, vLLM asks the hub for its file list, retries for
     ~2 min and fails, though the model is in the cache (measured on vLLM 0.32.0, without HF_HUB_OFFLINE)."""
     from huggingface_hub import snapshot_download
+    from huggingface_hub.errors import LocalEntryNotFoundError
 
     path = resolve_model_path(model)
     offline = hub_offline(path)
@@ -97,7 +98,7 @@ def engine_model_path(model: str) -> str:
         return path
     try:
         return snapshot_download(path, local_files_only=True)
-    except Exception:  # huggingface_hub's LocalEntryNotFoundError: not in the cache
+    except LocalEntryNotFoundError:  # not in the cache, or only in part
         raise SetupError(f"could not load model {model!r} ({offline}); {NO_HUB_HINT}") from None
 
 

@@ -89,7 +89,11 @@ def test_hub_unreachable_answers_within_its_limit_though_the_dns_lookup_hangs(mo
 
     monkeypatch.setattr(socket, "create_connection", refused)
     assert data.hub_unreachable(timeout_s=10) == "huggingface.co unreachable: [Errno 111] Connection refused"
-    monkeypatch.setattr(socket, "create_connection", lambda address, timeout: socket.socket())  # answered: reachable
+    asked = []
+    monkeypatch.setattr(socket, "create_connection", lambda address, timeout: asked.append(address) or socket.socket())  # answered
     assert data.hub_unreachable(timeout_s=10) is None
+    monkeypatch.setenv("HF_ENDPOINT", "http://127.0.0.1:9")  # a mirror: its host and port are asked, not huggingface.co:443
+    assert data.hub_unreachable(timeout_s=10) is None
+    assert asked == [("huggingface.co", 443), ("127.0.0.1", 9)]
     monkeypatch.setenv("HF_HUB_OFFLINE", "1")  # offline by choice: left to the hub client's cache
     assert data.hub_unreachable(timeout_s=10) is None

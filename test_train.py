@@ -809,7 +809,6 @@ def test_ctrl_c_while_the_model_loads_says_how_to_start_again(tiny_model_dir, tm
 def test_ctrl_c_before_step_1_finishes_saves_checkpoint_0_which_resumes(tiny_model_dir, tmp_path, monkeypatch, length_rewards):
     """The engine dies in step 1's generation after a Ctrl-C: nothing was trained, and the saved state
     is the start (so a resume repeats step 1 with the same prompts)."""
-
     original = sampling.generate_and_score
 
     def engine_dies(*args):
