@@ -176,10 +176,10 @@ def in_hub_cache(model_dir: Path, name: str, cache: Path, monkeypatch=None) -> P
     if a monkeypatch is given (another process: HF_HUB_CACHE); the snapshot's path."""
     from huggingface_hub import constants
 
-    repo = cache / ("models--" + name.replace("/", "--"))
-    shutil.copytree(model_dir, repo / "snapshots" / "0123abc")
+    repo, revision = cache / ("models--" + name.replace("/", "--")), "0123abc"
+    shutil.copytree(model_dir, repo / "snapshots" / revision)
     (repo / "refs").mkdir()
-    (repo / "refs" / "main").write_text("0123abc")
+    (repo / "refs" / "main").write_text(revision)
     if monkeypatch is not None:
         monkeypatch.setattr(constants, "HF_HUB_CACHE", str(cache))
-    return repo / "snapshots" / "0123abc"
+    return repo / "snapshots" / revision
