@@ -330,6 +330,10 @@ def test_a_hub_model_with_the_hub_unreachable_is_looked_up_in_the_local_cache_on
     assert asked == ["hub"]
     monkeypatch.setattr(models, "hub_unreachable", lambda: "huggingface.co unreachable: test")
     assert models.local_model_path("pods-test/tiny") == str(snapshot)
+    listing = {"format_version": 1, "files": {name: {"size": 1, "blob_id": "x"} for name in ["README.md", *os.listdir(snapshot)]}}
+    (snapshot.parent.parent / "trees").mkdir()  # the hub client's listing of the whole repo, which an online download writes
+    (snapshot.parent.parent / "trees" / f"{snapshot.name}.json").write_text(json.dumps(listing))
+    assert models.local_model_path("pods-test/tiny") == str(snapshot)  # README.md never fetched (snapshot_download refuses it)
     no_weights = in_hub_cache(tiny_model_dir, "pods-test/no-weights", tmp_path / "hub")
     (no_weights / "model.safetensors").unlink()  # e.g. only its tokenizer and config fetched
     sharded = in_hub_cache(tiny_model_dir, "pods-test/sharded", tmp_path / "hub")
