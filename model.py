@@ -77,28 +77,33 @@ def local_model_path(model: str) -> str:
     as given while the hub may be reached, and with the hub unreachable, that model's directory in the local cache.
     The hub is asked at once (data.hub_unreachable): given a hub name offline, transformers retries ~50 s before it
     reads the cache, and vLLM retries ~2 min and fails (0.32.0, without HF_HUB_OFFLINE)."""
-    from huggingface_hub import try_to_load_from_cache
-    from huggingface_hub.errors import HFValidationError
-
     if model == EMBEDDED:
         return str(embedded_model_dir())
     offline = None if Path(model).exists() else hub_unreachable()
     if not offline:
         return model
-    try:
-        config = try_to_load_from_cache(model, "config.json")  # in the snapshot that refs/main names
-    except HFValidationError:  # not a hub name either (a directory that does not exist)
-        config = None
-    if not isinstance(config, str) or not has_weights(Path(config).parent):
+    cached = cached_model_dir(model)
+    if cached is None:
         raise SetupError(f"could not load model {model!r} ({offline}, and its weights are not in the local cache); {NO_HUB_HINT}")
-    return str(Path(config).parent)
+    return str(cached)
 
 
-def has_weights(snapshot: Path) -> bool:
-    """Whether a model directory holds all its weights: model.safetensors, every shard its index names, or pytorch_model.bin."""
+def cached_model_dir(name: str) -> Path | None:
+    """A hub model's directory in the local hub cache (the snapshot refs/main names), if it holds all its weights:
+    model.safetensors, every shard its index names, or pytorch_model.bin. None if not, or not a hub name."""
+    from huggingface_hub import try_to_load_from_cache
+    from huggingface_hub.errors import HFValidationError
+
+    try:
+        config = try_to_load_from_cache(name, "config.json")
+    except HFValidationError:  # e.g. a directory that does not exist
+        return None
+    if not isinstance(config, str):
+        return None
+    snapshot = Path(config).parent
     index = snapshot / "model.safetensors.index.json"
     shards = set(json.loads(index.read_text())["weight_map"].values()) if index.exists() else {"model.safetensors"}
-    return all((snapshot / shard).exists() for shard in shards) or (snapshot / "pytorch_model.bin").exists()
+    return snapshot if all((snapshot / s).exists() for s in shards) or (snapshot / "pytorch_model.bin").exists() else None
 
 
 def load_tokenizer(path: str):

@@ -61,20 +61,9 @@ def qwen_shape() -> Qwen2Config:
                        pad_token_id=getattr(smol, "pad_token_id", None))
 
 
-def in_hub_cache(name: str) -> Path | None:
-    from huggingface_hub import snapshot_download
-    from huggingface_hub.errors import HFValidationError, LocalEntryNotFoundError
-
-    try:
-        path = Path(snapshot_download(name, local_files_only=True))
-    except (LocalEntryNotFoundError, HFValidationError):
-        return None
-    return path if (path / "config.json").exists() and any(path.glob("*.safetensors")) else None
-
-
 def policy(name: str, target: Path) -> tuple[Path, str]:
     if name != "random":
-        path = Path(name).resolve() if Path(name).is_dir() else in_hub_cache(name)
+        path = Path(name).resolve() if Path(name).is_dir() else model.cached_model_dir(name)
         if path is not None:
             return path, f"{name}, its weights ({path})"
         if name != model.GPU_MODEL:
