@@ -313,13 +313,34 @@ def test_vllm_lora_rank_rounds_up_to_an_allowed_rank_and_refuses_above_512():
         vllm_sampler.vllm_lora_rank(600)
 
 
-def test_vllm_memory_error_becomes_one_line_naming_the_flag():
+def test_vllm_start_error_becomes_one_line_naming_the_flag():
     no_cache = ValueError("No available memory for the cache blocks. Try increasing `gpu_memory_utilization` when initializing the engine.")
-    err = vllm_sampler.vllm_memory_error(no_cache, 0.3, None)
+    err = vllm_sampler.vllm_start_error(no_cache, 0.3, None)
     assert "--gpu-memory-utilization 0.3 leaves no room for the KV cache" in str(err) and "--vllm-kv-cache-gb" in str(err)
     assert "\n" not in str(err)
-    assert "--vllm-kv-cache-gb 40 does not fit" in str(vllm_sampler.vllm_memory_error(no_cache, 0.3, 40.0))
-    assert vllm_sampler.vllm_memory_error(ValueError("unknown model architecture"), 0.3, None) is None
+    assert "--vllm-kv-cache-gb 40 does not fit" in str(vllm_sampler.vllm_start_error(no_cache, 0.3, 40.0))
+    assert vllm_sampler.vllm_start_error(ValueError("unknown model architecture"), 0.3, None) is None
+    too_long = ValueError("1 validation error for ModelConfig\n  Value error, User-specified max_model_len (1112) is greater than "
+                          "the derived max_model_len (max_position_embeddings=1024.0 ...). To allow ...\n    For further information")
+    assert str(vllm_sampler.vllm_start_error(too_long, 0.3, None)) == (
+        "vLLM could not start: --max-prompt-tokens plus --max-new-tokens exceed the model's context; lower them (vLLM said: "
+        "Value error, User-specified max_model_len (1112) is greater than the derived max_model_len (max_position_embeddings=1024.0 ...). "
+        "To allow ...)")
+
+
+@pytest.mark.vllm
+@pytest.mark.slow
+def test_vllm_sequences_longer_than_the_models_context_stop_in_one_line(embedded_dir, tmp_path):
+    """vLLM refuses at start a max_model_len (--max-prompt-tokens + --max-new-tokens) above the model's context: here
+    512 + 600 against 1,024 positions. The real engine's error (pydantic's, several lines) becomes one line, exit 2."""
+    needs_vllms_cpu_build()
+    model = head64_model(embedded_dir, tmp_path)
+    started = subprocess.run([sys.executable, "train.py", *tiny_args(model, tmp_path / "run", "--backend", "vllm", "--max-new-tokens", "600")],
+                             cwd=Path(__file__).parent, capture_output=True, text=True, timeout=600)
+    assert started.returncode == 2 and "Traceback" not in started.stderr
+    last = started.stderr.strip().splitlines()[-1]
+    assert last.startswith("error: vLLM could not start: --max-prompt-tokens plus --max-new-tokens exceed the model's context; "
+                           "lower them (vLLM said: Value error, User-specified max_model_len (1112) is greater than")
 
 
 def test_vllm_start_up_memory_error_exits_2_with_one_line(tiny_model_dir, tmp_path, capsys, monkeypatch):

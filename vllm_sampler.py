@@ -41,18 +41,22 @@ def vllm_lora_rank(lora_rank: int) -> int:
                      f"use a rank <= {VLLM_LORA_RANKS[-1]} or --backend hf")
 
 
-def vllm_memory_error(err: Exception, gpu_memory_utilization: float, kv_cache_gb: float | None) -> SetupError | None:
-    """vLLM's start-up error when its budget leaves no room for the KV cache, as one line that says
-    which flag to change; None for any other error."""
+def vllm_start_error(err: Exception, gpu_memory_utilization: float, kv_cache_gb: float | None) -> SetupError | None:
+    """vLLM's start-up error, where a flag caused it (a budget that leaves no room for the KV cache, sequences
+    longer than the model's context), as one line that says which flag to change; None for any other error."""
     text = str(err)
-    if "cache blocks" not in text and "KV cache" not in text:
-        return None
-    if kv_cache_gb:
+    memory = "cache blocks" in text or "KV cache" in text
+    if "greater than the derived max_model_len" in text:
+        fix = "--max-prompt-tokens plus --max-new-tokens exceed the model's context; lower them"
+    elif memory and kv_cache_gb:
         fix = f"--vllm-kv-cache-gb {kv_cache_gb:g} does not fit: lower it, or lower --max-prompt-tokens/--max-new-tokens"
-    else:
+    elif memory:
         fix = (f"--gpu-memory-utilization {gpu_memory_utilization:g} leaves no room for the KV cache after the weights, "
                f"LoRA slots and profiling; raise it (0.45 on a 24 GB card, with --vllm-enforce-eager; docs/gpu.md) or size the cache with --vllm-kv-cache-gb")
-    return SetupError(f"vLLM could not start: {fix} (vLLM said: {text.splitlines()[0][:200]})")
+    else:
+        return None
+    said = next(line.strip() for line in text.splitlines() if "max_model_len" in line or "cache" in line)  # not pydantic's header line
+    return SetupError(f"vLLM could not start: {fix} (vLLM said: {said[:200]})")
 
 
 class GenerationAborted(RuntimeError):
@@ -176,7 +180,7 @@ class VLLMSampler:
         try:
             self.llm = LLM(model=model_path, **engine_args)
         except (ValueError, RuntimeError) as err:
-            raise vllm_memory_error(err, gpu_memory_utilization, kv_cache_gb) or err
+            raise vllm_start_error(err, gpu_memory_utilization, kv_cache_gb) or err
         kv_tokens = self.kv_cache_tokens()
         log.info("vLLM KV cache: %s tokens", f"{kv_tokens:,}" if kv_tokens else "unknown")
         self.tokenizer = tokenizer
