@@ -135,7 +135,7 @@ def benchmark(args: train.Args, repeats: int = 2) -> list[dict]:
     stream = data.PromptStream(examples, lambda question: sampling.build_prompt(tokenizer, question), args.max_prompt_tokens, args.seed)
     optimizer = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=args.lr)
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: 1.0)
-    sampler = train.make_sampler(args, model, tokenizer, model_name, device)
+    sampler = train.make_sampler(args, model, tokenizer, device)
     warm_up(sampler, model, optimizer, scheduler, stream, args, tokenizer.pad_token_id)
     ms = sorted({m for m in (args.n, args.n // 2, args.n // 4) if m >= 2}, reverse=True)
     shares = (False, True)
@@ -224,7 +224,7 @@ def benchmark(args: train.Args, repeats: int = 2) -> list[dict]:
     if not vllm:
         rows_per_step = 32
         tuned = decode_step_ms(sampler, batch[0][0], rows_per_step)
-        plain = decode_step_ms(train.make_sampler(dataclasses.replace(args, merged_sampler=False), model, tokenizer, model_name, device),
+        plain = decode_step_ms(train.make_sampler(dataclasses.replace(args, merged_sampler=False), model, tokenizer, device),
                                batch[0][0], rows_per_step)
         params = sum(p.numel() for p in sampler.model.parameters())
         floor = matmuls_ms(sampler.model, rows_per_step)

@@ -443,13 +443,14 @@ def install_fake_vllm(monkeypatch, made: list, logprob: float = -1.0):
 
 
 def test_the_vllm_engine_gets_the_cached_directory_of_a_hub_model_when_the_hub_is_unreachable(tiny_model_dir, tmp_path, monkeypatch):
-    """train.py hands vLLM model.local_model_path's answer, not the hub name vLLM would ask the hub about."""
-    made = []
+    """train.py hands vLLM model.local_model_path's answer, not the hub name vLLM would ask the hub about, and
+    asks the hub once for both loaders (twice, it cost up to 2 x 6 s with a hanging DNS lookup)."""
+    made, probes = [], []
     install_fake_vllm(monkeypatch, made)
     snapshot = in_hub_cache(tiny_model_dir, "pods-test/tiny", tmp_path / "hub", monkeypatch)
-    monkeypatch.setattr(models, "hub_unreachable", lambda: "huggingface.co unreachable: test")
+    monkeypatch.setattr(models, "hub_unreachable", lambda: probes.append(1) or "huggingface.co unreachable: test")
     assert train.main(tiny_args("pods-test/tiny", tmp_path / "run", "--backend", "vllm", "--steps", "1")) == 0
-    assert made[0].kwargs["model"] == str(snapshot)
+    assert made[0].kwargs["model"] == str(snapshot) and probes == [1]
 
 
 def test_release_memory_sleeps_at_level_0_where_vllm_can_release_the_kv_cache_alone_else_at_level_1(monkeypatch, caplog):

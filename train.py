@@ -51,7 +51,7 @@ import pods
 import progress
 import sampling
 import vllm_sampler
-from model import GPU_MODEL, SetupError, load_trainable_policy, local_model_path, pick_model
+from model import GPU_MODEL, SetupError, load_trainable_policy, pick_model
 from update import UpdateSettings, policy_update
 
 log = logging.getLogger("pods")
@@ -305,7 +305,7 @@ def train(args: Args, world: distributed.World = distributed.World()) -> Path:
                                              args.gradient_checkpointing, args.bf16_autocast)
     if resuming:
         checkpoint.check_resumed_model(out_dir, model_name)
-    sampler = make_sampler(args, model, tokenizer, model_name, device, world)
+    sampler = make_sampler(args, model, tokenizer, device, world)
     try:
         log.info("%s", progress.start_line(args, model_name, sampler, out_dir, device, world))
         torch.manual_seed(args.seed + world.rank)  # again (an in-process vLLM engine seeds this process's generators
@@ -341,12 +341,13 @@ def train(args: Args, world: distributed.World = distributed.World()) -> Path:
         sampler.close()  # before distributed.finish: vLLM's engine shutdown destroys the default process group
 
 
-def make_sampler(args: Args, model, tokenizer, model_name: str, device: str, world: distributed.World = distributed.World()):
+def make_sampler(args: Args, model, tokenizer, device: str, world: distributed.World = distributed.World()):
     """The generation backend. Under torchrun every rank gets its own vLLM engine on its own GPU,
-    started the way TRL's colocate mode does (external_launcher), with its own seed."""
+    started the way TRL's colocate mode does (external_launcher), with its own seed. vLLM reads the weights
+    transformers read (config.name_or_path: model.local_model_path's answer, the hub asked once)."""
     if vllm_sampler.uses_vllm(args.backend, device):
         return vllm_sampler.VLLMSampler(
-            local_model_path(model_name), tokenizer, args.max_new_tokens, args.temperature, args.lora_rank,
+            model.config.name_or_path, tokenizer, args.max_new_tokens, args.temperature, args.lora_rank,
             max_model_len=args.max_prompt_tokens + args.max_new_tokens, max_num_seqs=args.prompts_per_step // world.size * args.n,
             gpu_memory_utilization=args.gpu_memory_utilization, kv_cache_gb=args.vllm_kv_cache_gb,
             enforce_eager=args.vllm_enforce_eager, sleep_during_update=args.vllm_sleep, dtype="bfloat16",
