@@ -326,6 +326,17 @@ def test_vllm_start_error_becomes_one_line_naming_the_flag():
         "vLLM could not start: --max-prompt-tokens plus --max-new-tokens exceed the model's context; lower them (vLLM said: "
         "Value error, User-specified max_model_len (1112) is greater than the derived max_model_len (max_position_embeddings=1024.0 ...). "
         "To allow ...)")
+    # vLLM's share (the flag times the whole GPU) must be free when it starts, beside the trainer's model (0.25 and 0.32)
+    busy = ValueError("Free memory on device cuda:0 (60.2/79.2 GiB) on startup is less than desired GPU memory utilization "
+                      "(0.9, 71.3 GiB). Decrease GPU memory utilization or reduce GPU memory used by other processes.")
+    assert str(vllm_sampler.vllm_start_error(busy, 0.9, None)) == (
+        "vLLM could not start: --gpu-memory-utilization 0.9 asks for more GPU memory than is free beside the trainer and "
+        "any other process; lower it (vLLM said: Free memory on device cuda:0 (60.2/79.2 GiB) on startup is less than desired "
+        "GPU memory utilization (0.9, 71.3 GiB). Decrease GPU memory utilization or reduce GPU memory used by other processes.)")
+    unknown = ValueError(f"Model architectures ['MambaLMHeadModel'] are not supported for now. Supported architectures: {list(range(300))}")
+    err = str(vllm_sampler.vllm_start_error(unknown, 0.3, None))
+    assert err.startswith("vLLM could not start: vLLM does not run this model's architecture; use --backend hf (vLLM said: "
+                          "Model architectures ['MambaLMHeadModel'] are not supported for now.") and len(err) < 340
 
 
 @pytest.mark.vllm

@@ -42,12 +42,17 @@ def vllm_lora_rank(lora_rank: int) -> int:
 
 
 def vllm_start_error(err: Exception, gpu_memory_utilization: float, kv_cache_gb: float | None) -> SetupError | None:
-    """vLLM's start-up error, where a flag caused it (a budget that leaves no room for the KV cache, sequences
-    longer than the model's context), as one line that says which flag to change; None for any other error."""
+    """vLLM's start-up error, where a flag or the model caused it, as one line that says what to change; None for
+    any other error. The texts are those of vLLM 0.25.0 and 0.32.0."""
     text = str(err)
     memory = "cache blocks" in text or "KV cache" in text
     if "greater than the derived max_model_len" in text:
         fix = "--max-prompt-tokens plus --max-new-tokens exceed the model's context; lower them"
+    elif "on startup is less than" in text:  # vLLM asks for its share of the whole GPU free, beside the trainer's model
+        fix = (f"--gpu-memory-utilization {gpu_memory_utilization:g} asks for more GPU memory than is free beside the trainer "
+               f"and any other process; lower it")
+    elif "are not supported for now" in text:
+        fix = "vLLM does not run this model's architecture; use --backend hf"
     elif memory and kv_cache_gb:
         fix = f"--vllm-kv-cache-gb {kv_cache_gb:g} does not fit: lower it, or lower --max-prompt-tokens/--max-new-tokens"
     elif memory:
@@ -55,7 +60,7 @@ def vllm_start_error(err: Exception, gpu_memory_utilization: float, kv_cache_gb:
                f"LoRA slots and profiling; raise it (0.45 on a 24 GB card, with --vllm-enforce-eager; docs/gpu.md) or size the cache with --vllm-kv-cache-gb")
     else:
         return None
-    said = next(line.strip() for line in text.splitlines() if "max_model_len" in line or "cache" in line)  # not pydantic's header line
+    said = next((line.strip() for line in text.splitlines() if line.strip() and "validation error for" not in line), text)  # not pydantic's header
     return SetupError(f"vLLM could not start: {fix} (vLLM said: {said[:200]})")
 
 
