@@ -155,7 +155,8 @@ def test_vllm_ctrl_c_during_generation_finishes_the_step_saves_and_resumes(embed
 
     model_dir = head64_model(embedded_dir, tmp_path)
     out = tmp_path / "run"
-    argv = tiny_args(model_dir, out, "--backend", "vllm", "--steps", "3", "--max-prompt-tokens", "200")
+    argv = tiny_args(model_dir, out, "--backend", "vllm", "--steps", "3", "--max-prompt-tokens", "200",
+                     "--vllm-kv-cache-gb", "0.5")  # vLLM's CPU build takes whole GiB: 1, not the 0 that left it no cache
     run = subprocess.run([sys.executable, "-c", VLLM_CTRL_C_DRIVER, *argv], cwd=Path(__file__).parent, capture_output=True, text=True, timeout=900)
     assert run.returncode == 130, run.stderr[-2000:]
     assert [r["step"] for r in read_metrics(out)] == [1, 2]
@@ -318,7 +319,13 @@ def test_vllm_start_error_becomes_one_line_naming_the_flag():
     err = vllm_sampler.vllm_start_error(no_cache, 0.3, None)
     assert "--gpu-memory-utilization 0.3 leaves no room for the KV cache" in str(err) and "--vllm-kv-cache-gb" in str(err)
     assert "\n" not in str(err)
-    assert "--vllm-kv-cache-gb 40 does not fit" in str(vllm_sampler.vllm_start_error(no_cache, 0.3, 40.0))
+    # with the cache sized, vLLM skips its profiling: its cache errors say the cache is too small (one too large is CUDA's OOM)
+    too_small = ValueError("To serve at least one request with the model's max seq len (1112), (0.05 GiB KV cache is needed, "
+                           "which is larger than the available KV cache memory (0.01 GiB). Based on the available memory, ...")
+    assert str(vllm_sampler.vllm_start_error(too_small, 0.3, 0.01)) == (
+        "vLLM could not start: --vllm-kv-cache-gb 0.01 is too small for one sequence; raise it, or lower "
+        "--max-prompt-tokens/--max-new-tokens (vLLM said: To serve at least one request with the model's max seq len (1112), "
+        "(0.05 GiB KV cache is needed, which is larger than the available KV cache memory (0.01 GiB). Based on the available memory, ...)")
     assert vllm_sampler.vllm_start_error(ValueError("unknown model architecture"), 0.3, None) is None
     too_long = ValueError("1 validation error for ModelConfig\n  Value error, User-specified max_model_len (1112) is greater than "
                           "the derived max_model_len (max_position_embeddings=1024.0 ...). To allow ...\n    For further information")

@@ -100,7 +100,7 @@ class Args:
     backend: str = arg("auto", "generation backend: vllm | hf | auto (vllm when it imports and a GPU is present)")
     resume: str = arg("no", "continue from the last checkpoint in --out-dir: yes (bare --resume; there must be one) | auto (if any) | no")
     gpu_memory_utilization: float = arg(0.3, "vLLM: share of GPU memory for its weights, LoRA slots and KV cache; the rest is for training")
-    vllm_kv_cache_gb: float | None = arg(None, "vLLM: KV cache size in GiB, instead of what --gpu-memory-utilization leaves")
+    vllm_kv_cache_gb: float | None = arg(None, "vLLM: KV cache size in GiB (a CPU rounds it up to whole GiB), instead of what --gpu-memory-utilization leaves")
     vllm_enforce_eager: bool = arg(False, "vLLM: no CUDA graphs (slower generation, less memory: small cards)")
     vllm_sleep: bool = arg(False, "vLLM: free its KV cache during each update, re-allocate it before the next generation")
     gradient_checkpointing: bool | None = arg(None, "recompute activations in the backward pass [GPU on, CPU off]")

