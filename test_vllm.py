@@ -319,6 +319,11 @@ def test_vllm_start_error_becomes_one_line_naming_the_flag():
     err = vllm_sampler.vllm_start_error(no_cache, 0.3, None)
     assert "--gpu-memory-utilization 0.3 leaves no room for the KV cache" in str(err) and "--vllm-kv-cache-gb" in str(err)
     assert "\n" not in str(err)
+    oom = torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 100.00 GiB. GPU 0 has a total capacity of 79.19 GiB of which ...")
+    assert str(vllm_sampler.vllm_start_error(oom, 0.3, 100.0)) == (
+        "vLLM could not start: --vllm-kv-cache-gb 100 does not fit in the GPU memory the trainer leaves; lower it (vLLM said: "
+        "CUDA out of memory. Tried to allocate 100.00 GiB. GPU 0 has a total capacity of 79.19 GiB of which ...)")  # not the update's advice
+    assert "lower --gpu-memory-utilization, or pass --vllm-enforce-eager" in str(vllm_sampler.vllm_start_error(oom, 0.3, None))
     # with the cache sized, vLLM skips its profiling: its cache errors say the cache is too small (one too large is CUDA's OOM)
     too_small = ValueError("To serve at least one request with the model's max seq len (1112), (0.05 GiB KV cache is needed, "
                            "which is larger than the available KV cache memory (0.01 GiB). Based on the available memory, ...")
@@ -361,18 +366,26 @@ def test_vllm_sequences_longer_than_the_models_context_stop_in_one_line(embedded
                            "lower them (vLLM said: Value error, User-specified max_model_len (1112) is greater than")
 
 
-def test_vllm_start_up_memory_error_exits_2_with_one_line(tiny_model_dir, tmp_path, capsys, monkeypatch):
-    """train.py --backend vllm when vLLM finds no room for its KV cache (mocked at the LLM boundary)."""
+@pytest.mark.parametrize("raised, flags, said", [
+    (ValueError("No available memory for the cache blocks. Try increasing `gpu_memory_utilization`."), [],
+     "error: vLLM could not start: --gpu-memory-utilization 0.3 leaves no room"),
+    # CUDA's OOM as vLLM allocates the cache it was told to: not train.py's advice for an OOM in the update
+    (torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 100.00 GiB."), ["--vllm-kv-cache-gb", "100"],
+     "error: vLLM could not start: --vllm-kv-cache-gb 100 does not fit in the GPU memory the trainer leaves; lower it"),
+])
+def test_vllm_start_up_memory_error_exits_2_with_one_line(raised, flags, said, tiny_model_dir, tmp_path, capsys, monkeypatch):
+    """train.py --backend vllm when vLLM finds no room for its KV cache, or runs out of memory (mocked at the LLM boundary)."""
 
     def no_memory(**kwargs):
-        raise ValueError("No available memory for the cache blocks. Try increasing `gpu_memory_utilization`.")
+        raise raised
 
     monkeypatch.setitem(sys.modules, "vllm", types.SimpleNamespace(LLM=no_memory))
     monkeypatch.setattr(vllm_sampler, "vllm_available", lambda: True)
     monkeypatch.setenv("VLLM_ENABLE_V1_MULTIPROCESSING", "1")
-    assert train.main(tiny_args(tiny_model_dir, tmp_path / "run", "--backend", "vllm", "--steps", "1")) == 2
+    monkeypatch.setenv("VLLM_CPU_KVCACHE_SPACE", "1")  # as the user's own: kept (setdefault), so no other test sees it changed
+    assert train.main(tiny_args(tiny_model_dir, tmp_path / "run", "--backend", "vllm", "--steps", "1", *flags)) == 2
     err = capsys.readouterr().err.strip()
-    assert err.startswith("error: vLLM could not start: --gpu-memory-utilization 0.3 leaves no room") and "\n" not in err, err
+    assert err.startswith(said) and "\n" not in err, err
     assert os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] == "0"  # the engine is asked to run in this process
 
 

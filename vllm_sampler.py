@@ -52,6 +52,9 @@ def vllm_start_error(err: Exception, gpu_memory_utilization: float, kv_cache_gb:
     elif "on startup is less than" in text:  # vLLM asks for its share of the whole GPU free, beside the trainer's model
         fix = (f"--gpu-memory-utilization {gpu_memory_utilization:g} asks for more GPU memory than is free beside the trainer "
                f"and any other process; lower it")
+    elif isinstance(err, torch.OutOfMemoryError):  # CUDA's, as vLLM allocates a cache it was told the size of, or its graphs
+        fix = (f"--vllm-kv-cache-gb {kv_cache_gb:g} does not fit in the GPU memory the trainer leaves; lower it" if kv_cache_gb else
+               "out of GPU memory beside the trainer; lower --gpu-memory-utilization, or pass --vllm-enforce-eager")
     elif "are not supported for now" in text:
         fix = "vLLM does not run this model's architecture; use --backend hf"
     elif memory and kv_cache_gb:
