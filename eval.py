@@ -413,7 +413,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--gpu-memory-utilization", type=float, default=0.3,
                         help="vLLM: share of GPU memory it may take [0.3, as train.py]")
     parser.add_argument("--vllm-kv-cache-gb", type=float, default=None,
-                        help="vLLM: KV cache size in GiB [sized from --gpu-memory-utilization]")
+                        help="vLLM: KV cache size in GiB (a CPU rounds it up to whole GiB) [sized from --gpu-memory-utilization]")
     parser.add_argument("--vllm-enforce-eager", "--enforce-eager", dest="enforce_eager", action="store_true",
                         help="vLLM: no CUDA graphs (slower generation, ~0.5-1 GiB less memory) [off]")
     parser.add_argument("--out", default=None, help="results JSON (eval) or figure PNG (--plot) [eval-DATASET.json in the run or checkpoint directory, or here; --plot: accuracy_vs_time.png]")

@@ -157,12 +157,14 @@ def test_vllm_ctrl_c_during_generation_finishes_the_step_saves_and_resumes(embed
     out = tmp_path / "run"
     argv = tiny_args(model_dir, out, "--backend", "vllm", "--steps", "3", "--max-prompt-tokens", "200",
                      "--vllm-kv-cache-gb", "0.5")  # vLLM's CPU build takes whole GiB: 1, not the 0 that left it no cache
-    run = subprocess.run([sys.executable, "-c", VLLM_CTRL_C_DRIVER, *argv], cwd=Path(__file__).parent, capture_output=True, text=True, timeout=900)
+    env = {k: v for k, v in os.environ.items() if k != "VLLM_CPU_KVCACHE_SPACE"}  # as an engine started in this process left it
+    run = subprocess.run([sys.executable, "-c", VLLM_CTRL_C_DRIVER, *argv], cwd=Path(__file__).parent, capture_output=True, text=True,
+                         timeout=900, env=env)
     assert run.returncode == 130, run.stderr[-2000:]
     assert [r["step"] for r in read_metrics(out)] == [1, 2]
     assert [p.name for p in checkpoint.find(out)] == ["checkpoint-2"]
     resumed = subprocess.run([sys.executable, "-c", VLLM_CTRL_C_DRIVER, *argv, "--resume"], cwd=Path(__file__).parent,
-                             capture_output=True, text=True, timeout=900)
+                             capture_output=True, text=True, timeout=900, env=env)
     assert resumed.returncode == 0, resumed.stderr[-2000:]
     rows = read_metrics(out)
     assert [r["step"] for r in rows] == [1, 2, 3]
@@ -321,9 +323,13 @@ def test_vllm_start_error_becomes_one_line_naming_the_flag():
     assert "\n" not in str(err)
     oom = torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 100.00 GiB. GPU 0 has a total capacity of 79.19 GiB of which ...")
     assert str(vllm_sampler.vllm_start_error(oom, 0.3, 100.0)) == (
-        "vLLM could not start: --vllm-kv-cache-gb 100 does not fit in the GPU memory the trainer leaves; lower it (vLLM said: "
-        "CUDA out of memory. Tried to allocate 100.00 GiB. GPU 0 has a total capacity of 79.19 GiB of which ...)")  # not the update's advice
-    assert "lower --gpu-memory-utilization, or pass --vllm-enforce-eager" in str(vllm_sampler.vllm_start_error(oom, 0.3, None))
+        "vLLM could not start: out of GPU memory (vLLM's weights, profiling, sampler warm-up, KV cache or CUDA graphs); lower "
+        "--vllm-kv-cache-gb 100, or pass --vllm-enforce-eager (vLLM said: CUDA out of memory. Tried to allocate 100.00 GiB. "
+        "GPU 0 has a total capacity of 79.19 GiB of which ...)")  # not the update's advice
+    warm_up = RuntimeError("CUDA out of memory occurred when warming up sampler with 256 dummy requests. Please try lowering ...")
+    assert "; lower --gpu-memory-utilization 0.3, or pass --vllm-enforce-eager (vLLM said: CUDA out of memory occurred" in str(
+        vllm_sampler.vllm_start_error(warm_up, 0.3, None))  # vLLM's own RuntimeError around CUDA's
+    assert vllm_sampler.vllm_start_error(ValueError("Invalid prefix_match_unit=16; ... KV cache group block sizes ..."), 0.3, 2.0) is None
     # with the cache sized, vLLM skips its profiling: its cache errors say the cache is too small (one too large is CUDA's OOM)
     too_small = ValueError("To serve at least one request with the model's max seq len (1112), (0.05 GiB KV cache is needed, "
                            "which is larger than the available KV cache memory (0.01 GiB). Based on the available memory, ...")
@@ -342,8 +348,7 @@ def test_vllm_start_error_becomes_one_line_naming_the_flag():
     busy = ValueError("Free memory on device cuda:0 (60.2/79.2 GiB) on startup is less than desired GPU memory utilization "
                       "(0.9, 71.3 GiB). Decrease GPU memory utilization or reduce GPU memory used by other processes.")
     assert str(vllm_sampler.vllm_start_error(busy, 0.9, None)) == (
-        "vLLM could not start: --gpu-memory-utilization 0.9 asks for more GPU memory than is free beside the trainer and "
-        "any other process; lower it (vLLM said: Free memory on device cuda:0 (60.2/79.2 GiB) on startup is less than desired "
+        "vLLM could not start: --gpu-memory-utilization 0.9 asks for more GPU memory than is free; lower it (vLLM said: Free memory on device cuda:0 (60.2/79.2 GiB) on startup is less than desired "
         "GPU memory utilization (0.9, 71.3 GiB). Decrease GPU memory utilization or reduce GPU memory used by other processes.)")
     unknown = ValueError(f"Model architectures ['MambaLMHeadModel'] are not supported for now. Supported architectures: {list(range(300))}")
     err = str(vllm_sampler.vllm_start_error(unknown, 0.3, None))
@@ -371,7 +376,8 @@ def test_vllm_sequences_longer_than_the_models_context_stop_in_one_line(embedded
      "error: vLLM could not start: --gpu-memory-utilization 0.3 leaves no room"),
     # CUDA's OOM as vLLM allocates the cache it was told to: not train.py's advice for an OOM in the update
     (torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 100.00 GiB."), ["--vllm-kv-cache-gb", "100"],
-     "error: vLLM could not start: --vllm-kv-cache-gb 100 does not fit in the GPU memory the trainer leaves; lower it"),
+     "error: vLLM could not start: out of GPU memory (vLLM's weights, profiling, sampler warm-up, KV cache or CUDA graphs); "
+     "lower --vllm-kv-cache-gb 100, or pass --vllm-enforce-eager"),
 ])
 def test_vllm_start_up_memory_error_exits_2_with_one_line(raised, flags, said, tiny_model_dir, tmp_path, capsys, monkeypatch):
     """train.py --backend vllm when vLLM finds no room for its KV cache, or runs out of memory (mocked at the LLM boundary)."""
@@ -482,6 +488,19 @@ def test_the_vllm_engine_gets_the_cached_directory_of_a_hub_model_when_the_hub_i
     monkeypatch.setattr(models, "hub_unreachable", lambda: probes.append(1) or "huggingface.co unreachable: test")
     assert train.main(tiny_args("pods-test/tiny", tmp_path / "run", "--backend", "vllm", "--steps", "1")) == 0
     assert made[0].kwargs["model"] == str(snapshot) and probes == [1]
+
+
+@pytest.mark.parametrize("kv_cache_gb, gib", [(None, "2"), (0.5, "1"), (2.2, "3")])
+def test_vllms_cpu_build_gets_the_kv_cache_size_in_whole_gib_rounded_up(kv_cache_gb, gib, tiny_model_dir, monkeypatch):
+    """vLLM's CPU build reads VLLM_CPU_KVCACHE_SPACE as whole GiB: --vllm-kv-cache-gb 0.5 was int()-ed to 0, no cache."""
+    install_fake_vllm(monkeypatch, [])
+    for name in ("VLLM_CPU_KVCACHE_SPACE", "VLLM_CPU_NUM_OF_RESERVED_CPU", "VLLM_ENABLE_V1_MULTIPROCESSING", "VLLM_LOGGING_LEVEL"):
+        monkeypatch.setenv(name, "")  # recorded, so that what the sampler sets is undone after the test
+        monkeypatch.delenv(name)
+    sampler = vllm_sampler.VLLMSampler(str(tiny_model_dir), models.load_tokenizer(str(tiny_model_dir)), 4, 0.9, 8, max_model_len=64,
+                                       gpu_memory_utilization=0.3, dtype="bfloat16", seed=0, max_num_seqs=4, kv_cache_gb=kv_cache_gb)
+    sampler.close()
+    assert os.environ["VLLM_CPU_KVCACHE_SPACE"] == gib
 
 
 def test_release_memory_sleeps_at_level_0_where_vllm_can_release_the_kv_cache_alone_else_at_level_1(monkeypatch, caplog):

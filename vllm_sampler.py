@@ -46,25 +46,25 @@ def vllm_start_error(err: Exception, gpu_memory_utilization: float, kv_cache_gb:
     """vLLM's start-up error, where a flag or the model caused it, as one line that says what to change; None for
     any other error. The texts are those of vLLM 0.25.0 and 0.32.0."""
     text = str(err)
-    memory = "cache blocks" in text or "KV cache" in text
+    no_cache = "No available memory for the cache blocks" in text or "KV cache is needed" in text  # none, or too small for one sequence
     if "greater than the derived max_model_len" in text:
         fix = "--max-prompt-tokens plus --max-new-tokens exceed the model's context; lower them"
-    elif "on startup is less than" in text:  # vLLM asks for its share of the whole GPU free, beside the trainer's model
-        fix = (f"--gpu-memory-utilization {gpu_memory_utilization:g} asks for more GPU memory than is free beside the trainer "
-               f"and any other process; lower it")
-    elif isinstance(err, torch.OutOfMemoryError):  # CUDA's, as vLLM allocates a cache it was told the size of, or its graphs
-        fix = (f"--vllm-kv-cache-gb {kv_cache_gb:g} does not fit in the GPU memory the trainer leaves; lower it" if kv_cache_gb else
-               "out of GPU memory beside the trainer; lower --gpu-memory-utilization, or pass --vllm-enforce-eager")
+    elif "on startup is less than" in text:  # vLLM asks for its share of the whole card free (a trainer's model holds some)
+        fix = f"--gpu-memory-utilization {gpu_memory_utilization:g} asks for more GPU memory than is free; lower it"
+    elif isinstance(err, torch.OutOfMemoryError) or "out of memory occurred" in text:  # CUDA's, or vLLM's words for it
+        fix = ("out of GPU memory (vLLM's weights, profiling, sampler warm-up, KV cache or CUDA graphs); lower "
+               + (f"--vllm-kv-cache-gb {kv_cache_gb:g}" if kv_cache_gb else f"--gpu-memory-utilization {gpu_memory_utilization:g}")
+               + ", or pass --vllm-enforce-eager")
     elif "are not supported for now" in text:
         fix = "vLLM does not run this model's architecture; use --backend hf"
-    elif memory and kv_cache_gb:
+    elif no_cache and kv_cache_gb:  # with the cache sized, vLLM skips its profiling: the size is too small
         fix = f"--vllm-kv-cache-gb {kv_cache_gb:g} is too small for one sequence; raise it, or lower --max-prompt-tokens/--max-new-tokens"
-    elif memory:
+    elif no_cache:
         fix = (f"--gpu-memory-utilization {gpu_memory_utilization:g} leaves no room for the KV cache after the weights, "
                f"LoRA slots and profiling; raise it (0.45 on a 24 GB card, with --vllm-enforce-eager; docs/gpu.md) or size the cache with --vllm-kv-cache-gb")
     else:
         return None
-    said = next((line.strip() for line in text.splitlines() if line.strip() and "validation error for" not in line), text)  # not pydantic's header
+    said = next((line.strip() for line in text.splitlines() if line.strip() and "validation error" not in line), text)  # not pydantic's header
     return SetupError(f"vLLM could not start: {fix} (vLLM said: {said[:200]})")
 
 
