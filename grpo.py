@@ -96,7 +96,9 @@ def grpo_loss(
     weights of `truncated_importance_weights` when the rollouts were sampled by another engine.
 
     Returns (loss, stats) with stats "clip_frac" (share of tokens where the clipped term is
-    the one the min picks and the ratio lies outside the clip range), "ratio_mean" and "kl".
+    the one the min picks and the ratio lies outside the clip range), "ratio_mean" and "kl", each
+    averaged as the loss is, over a completion's tokens and then over completions: so a mean of
+    them over micro-batches weighted by their completions is the batch's, however it was split.
     """
     clip_eps_high = clip_eps if clip_eps_high is None else clip_eps_high
     keep = mask.bool()
@@ -121,12 +123,14 @@ def grpo_loss(
     loss = ((per_token * mask).sum(dim=1) / tokens).mean()
 
     with torch.no_grad():
-        total = mask.sum().clamp(min=1.0)
+        def mean(per_token):  # as the loss averages: 1/|o_i| over tokens, then over completions
+            return float(((per_token * mask).sum(dim=1) / tokens).mean())
+
         is_clipped = ((ratio < 1.0 - clip_eps) & (adv < 0)) | ((ratio > 1.0 + clip_eps_high) & (adv > 0))
         stats = {
-            "clip_frac": float((is_clipped.to(mask.dtype) * mask).sum() / total),
-            "ratio_mean": float((ratio * mask).sum() / total),
-            "kl": float((kl * mask).sum() / total) if kl is not None else 0.0,
+            "clip_frac": mean(is_clipped.to(mask.dtype)),
+            "ratio_mean": mean(ratio),
+            "kl": mean(kl) if kl is not None else 0.0,
         }
     return loss, stats
 

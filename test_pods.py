@@ -395,8 +395,9 @@ def test_grpo_loss_hand_computed():
     # completion 0: tokens give min(1*1, 1*1)=1 and min(2*1, 1.2*1)=1.2 -> mean 1.1
     # completion 1: one token, ratio 1, A=-1 -> -1
     assert loss.item() == pytest.approx(-(1.1 + -1.0) / 2)
-    assert stats["clip_frac"] == pytest.approx(1 / 3)
-    assert stats["ratio_mean"] == pytest.approx((1 + 2 + 1) / 3)
+    # statistics averaged as the loss is: over each completion's tokens, then over completions
+    assert stats["clip_frac"] == pytest.approx((1 / 2 + 0) / 2)
+    assert stats["ratio_mean"] == pytest.approx(((1 + 2) / 2 + 1) / 2)
     assert stats["kl"] == 0.0
 
 

@@ -111,6 +111,25 @@ def test_shared_prompt_update_gives_the_same_lora_gradients(tiny_model_dir, chec
     assert torch.cat([(a - b).flatten() for a, b in zip(shared_grads, unshared_grads)]).norm() / total <= 1e-4
 
 
+def test_update_statistics_do_not_depend_on_how_the_batch_is_split(tiny_model_dir):
+    """The step's kl (and loss) are the same numbers for any --micro-batch, prompt-shared or not: grpo_loss
+    averages its statistics as the loss, so their completion-weighted mean over micro-batches is the batch's.
+    (Token means per micro-batch gave kl 0.0338 at micro-batch 1 and 0.0365 at 9 here.)"""
+    rollouts = mixed_length_groups()
+    advantages = torch.tensor([1.0, -0.5, -0.5, 0.7, -0.7, 0.3, -1.0, 0.2, 0.5])
+    results = {}
+    for micro_batch, share in ((1, False), (9, False), (3, True), (9, True)):
+        model, tokenizer = lora_policy(tiny_model_dir)
+        args = update.UpdateSettings(micro_batch=micro_batch, beta=0.1, share_prompt=share, bf16_autocast=False, max_grad_norm=1e9)
+        stats, _ = update_at_lr_0(model, rollouts, advantages, args, tokenizer.pad_token_id)
+        results[micro_batch, share] = stats
+    reference = results[1, False]
+    assert reference["kl"] > 1e-3
+    for stats in results.values():
+        for key in ("loss", "kl", "ratio_mean", "clip_frac"):
+            assert stats[key] == pytest.approx(reference[key], abs=1e-6), key
+
+
 @pytest.mark.parametrize("share, beta, checkpointing", [(False, 0.0, False), (True, 0.0, False), (True, 0.1, True)])
 def test_frozen_weights_for_autocast_give_bit_identical_loss_and_gradients(tiny_model_dir, share, beta, checkpointing):
     """Under bfloat16 autocast, base weights stored in bfloat16 and the adapters' input cast off
