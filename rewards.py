@@ -40,8 +40,10 @@ MAX_NUMBER_CHARS = 64  # longer digit strings are not answers; also keeps int() 
 _ANSWER = re.compile(r"<answer>(.*?)</answer>", re.DOTALL)
 _STRUCTURE = re.compile(r"^\s*<think>.*?</think>\s*<answer>.*?</answer>\s*$", re.DOTALL)
 # A number: optional minus (not after a word character, so "5-3" reads as 5 and 3), digits
-# with optional thousands commas ("1,000" but not "1,2"), optional decimals, optional "/denominator"; or ".5".
-_NUMBER = re.compile(r"(?:(?<![\w)])-\s?)?(?:(?:\d{1,3}(?:,\d{3})+(?!\d)|\d+)(?:\.\d+)?(?:\s?/\s?\d+)?|\.\d+)")
+# with optional thousands commas ("1,000" but not "1,2"), optional decimals, optional "/denominator"; or ".5";
+# or a mixed number, whole digits, spaces and a fraction ("2 1/2").
+_NUMBER = re.compile(r"(?:(?<![\w)])-\s?)?(?:\d+[ \t]+\d+\s?/\s?\d+|(?:\d{1,3}(?:,\d{3})+(?!\d)|\d+)(?:\.\d+)?(?:\s?/\s?\d+)?|\.\d+)")
+_MIXED = re.compile(r"(-)?\s?(\d+)[ \t]+(\d+)\s?/\s?(\d+)")  # the parts of a mixed number _NUMBER found
 # What precedes the minus of a subtraction written with spaces, "10 - 3": a number or ")" and then spaces.
 _OPERAND_BEFORE = re.compile(r"[\d)][ \t]+$")
 # A markdown bullet: "-" starting a line (after optional indentation) and followed by a space or tab.
@@ -57,6 +59,7 @@ def _numbers(text: str, list_markers: bool = True) -> list[str]:
         text = _BULLET.sub(r"\1", text)  # "\n- 72" is a list item, not -72
     text = _FRAC.sub(lambda f: f" {f[1] or f[2]}/{f[3] or f[4]}", text)  # the space keeps 2\frac{1}{2} from reading as 21/2
     text = text.replace("{,}", ",").replace("\\,", ",").replace("$", "")  # LaTeX thousands separators: 1{,}000, 1\,000
+    text = text.replace("\u2212", "-")  # Unicode's minus sign (U+2212)
     found = []
     for number in _NUMBER.finditer(text):
         written = number[0]
@@ -77,16 +80,24 @@ def normalize_number(s: str | None, list_markers: bool = True) -> str | None:
     is a subtraction: "10 - 3" gives "3", as the authors' grader reads it (its last number never has a sign).
     Any other minus is a sign: "-72", "\\n-72", "x = -3", "answer: - 3" and "\\boxed{- 5}" give negatives.
     "12.0" and "12" both give "12", "-3.50" gives "-3.5", "3/4" and "0.75" both give "0.75",
-    "1/3" gives "1/3" (a fraction without a finite decimal stays a fraction).
+    "1/3" gives "1/3" (a fraction without a finite decimal stays a fraction). A whole number and a proper
+    fraction are a mixed number: "2 1/2" and "2\\frac{1}{2}" give "2.5". Unicode's minus, "\u2212 5", is a minus.
     """
     if not s:
         return None
     found = _numbers(s, list_markers)
     if not found:
         return None
-    token = re.sub(r"[\s,]", "", found[-1])
-    if len(token) > MAX_NUMBER_CHARS:
+    written = found[-1]
+    if len(re.sub(r"[\s,]", "", written)) > MAX_NUMBER_CHARS:
         return None
+    mixed = _MIXED.fullmatch(written)
+    if mixed:  # "2 1/2" is 2.5; "2 7/4" is no mixed number: it reads as its last number, 7/4
+        sign, whole, numerator, denominator = mixed.groups()
+        if int(numerator) < int(denominator):
+            return _canonical((-1 if sign else 1) * (int(whole) + Fraction(int(numerator), int(denominator))))
+        written = f"{numerator}/{denominator}"
+    token = re.sub(r"[\s,]", "", written)
     numerator, _, denominator = token.partition("/")
     if denominator and int(denominator) == 0:
         return None

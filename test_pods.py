@@ -215,10 +215,20 @@ def test_reward_table(completion, answer, expected):
         ("3/4", "0.75"), ("1/3", "1/3"), ("6/3", "2"), ("4/0", None), ("about 12 apples", "12"),
         ("1,2", "2"), ("none", None), ("", None), (None, None), ("-0", "0"), (".5", "0.5"),
         ("0.125", "0.125"), ("007", "7"), ("1" * 100, None),
+        ("2 1/2", "2.5"), ("2\\frac{1}{2}", "2.5"), ("2 7/4", "1.75"), ("\u22125", "-5"),
     ],
 )
 def test_normalize_number(text, expected):
     assert rewards.normalize_number(text) == expected
+
+
+@pytest.mark.parametrize("completion, answer, correct", [
+    ("<answer>2 1/2</answer>", "2.5", True), ("<answer>2 1/2</answer>", "0.5", False),  # was 0.5: the fraction alone
+    ("<answer>-2 1/2</answer>", "-2.5", True), ("<answer>2\\frac{1}{2}</answer>", "0.5", False),
+    ("<answer>\u22125</answer>", "-5", True), ("<answer>\u22125</answer>", "5", False),  # was 5: Unicode's minus dropped
+])
+def test_a_mixed_number_and_unicode_minus_keep_their_value(completion, answer, correct):
+    assert rewards.correctness_reward(completion, answer) == (1.0 if correct else 0.0)
 
 
 @pytest.mark.parametrize("text, expected", [
