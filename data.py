@@ -176,6 +176,8 @@ def load_examples(dataset: str, split: str, arith_size: int = 20_000, seed: int 
     if levels is not None:
         if split == "test":
             return arith_examples(500, ARITH_TEST_SEED, levels)
+        if seed == ARITH_TEST_SEED:
+            raise DataError(f"--seed {seed} draws the arithmetic task's test problems as its training problems; pick another seed")
         return arith_examples(arith_size, seed, levels)
     if dataset == GSM8K:
         try:

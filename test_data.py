@@ -31,6 +31,8 @@ def test_arith_splits_are_reproducible_and_distinct():
     test, train = data.load_examples("arith", "test"), data.load_examples("arith", "train", seed=0)
     assert data.load_examples("arith", "test", seed=5) == test  # the test split has its own seed, not the run's
     assert sum(a != b for a, b in zip(test, train)) > 0.95 * len(test)  # not the train stream's start (short sums recur in both)
+    with pytest.raises(data.DataError, match=f"^--seed {data.ARITH_TEST_SEED} draws the arithmetic task's test problems"):
+        data.load_examples("arith", "train", seed=data.ARITH_TEST_SEED)  # its stream would start with the test split
 
 
 def test_jsonl_reader_accepts_gsm8k_solutions_and_bare_numbers(tmp_path):
