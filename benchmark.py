@@ -126,7 +126,8 @@ def benchmark(args: train.Args, repeats: int = 2) -> list[dict]:
         raise config.UsageError(f"--resume: no checkpoint-STEP directory in {args.out_dir}")
     if found:  # a trained policy: the adapter of --out-dir's last checkpoint, on the model and LoRA shape it trained
         checkpoint.check_resumed_model(Path(args.out_dir), model_name)
-        trained = json.loads((Path(args.out_dir) / "config.json").read_text())
+        saved = Path(args.out_dir) / "config.json"
+        trained = json.loads(saved.read_text()) if saved.exists() else {}
         for name in ("lora_rank", "lora_alpha"):
             if trained.get(name, getattr(args, name)) != getattr(args, name):
                 raise config.UsageError(f"--resume: {args.out_dir} trained with --{name.replace('_', '-')} {trained[name]}; pass it")

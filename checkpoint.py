@@ -20,6 +20,7 @@ from __future__ import annotations
 import json
 import logging
 import os
+import pickle
 import random
 import shutil
 from pathlib import Path
@@ -34,19 +35,20 @@ log = logging.getLogger("pods")
 
 
 class CheckpointError(RuntimeError):
-    """A checkpoint could not be written (e.g. a full disk); the previous ones are untouched."""
+    """A checkpoint could not be written (e.g. a full disk; the previous ones are untouched) or read (damaged)."""
 
 
 CHECKPOINT_FILES = ("adapter_model.safetensors", "training_state.pt", "trainer_state.json")
 
 
-def find(out_dir: Path) -> list[Path]:
-    """The complete checkpoint-STEP directories, oldest first. save renames a checkpoint into
-    place only when whole; a directory missing one of its files (copied in part, or damaged) is left out."""
+def find(out_dir: Path, needs: tuple[str, ...] = CHECKPOINT_FILES) -> list[Path]:
+    """The complete checkpoint-STEP directories, oldest first: those holding the files `needs` (to resume, all of
+    them; eval.py needs the adapter's and the step's). save renames a checkpoint into place only when whole; a
+    directory missing one of its files (copied in part, or damaged) is left out."""
     found = [p for p in out_dir.glob("checkpoint-*") if p.is_dir() and p.name.split("-")[-1].isdigit()]
-    complete = [p for p in found if all((p / name).is_file() for name in CHECKPOINT_FILES)]
+    complete = [p for p in found if all((p / name).is_file() for name in needs)]
     for p in sorted(set(found) - set(complete)):
-        log.warning("%s is incomplete (it lacks %s): not used", p, ", ".join(n for n in CHECKPOINT_FILES if not (p / n).is_file()))
+        log.warning("%s is incomplete (it lacks %s): not used", p, ", ".join(n for n in needs if not (p / n).is_file()))
     return sorted(complete, key=lambda p: int(p.name.split("-")[-1]))
 
 
@@ -92,8 +94,10 @@ def load(path: Path, model, optimizer, scheduler, rng: np.random.Generator,
          world: distributed.World = distributed.World()) -> dict:
     """Restore a checkpoint into this process; under torchrun, each rank takes its own random state."""
     load_adapter(path, model)
-    # map_location: tensors saved from rank 0's GPU would otherwise be restored onto GPU 0 by every rank
-    saved = torch.load(path / "training_state.pt", map_location="cpu", weights_only=False)
+    try:  # map_location: tensors saved from rank 0's GPU would otherwise be restored onto GPU 0 by every rank
+        saved = torch.load(path / "training_state.pt", map_location="cpu", weights_only=False)
+    except (OSError, RuntimeError, EOFError, pickle.UnpicklingError) as err:  # a file cut short, or another file in its place
+        raise damaged(path, "training_state.pt", err) from None
     optimizer.load_state_dict(saved["optimizer"])
     scheduler.load_state_dict(saved["scheduler"])
     if "random_states" in saved:
@@ -116,7 +120,25 @@ def load_adapter(path: Path, model) -> None:
     from peft import set_peft_model_state_dict
     from safetensors.torch import load_file
 
+    check_adapter(path)
     set_peft_model_state_dict(distributed.unwrap(model), load_file(path / "adapter_model.safetensors"))
+
+
+def check_adapter(path: Path) -> None:
+    """Stop in one line where checkpoint `path`'s adapter weights cannot be read: safetensors checks their header
+    and the file's length, without reading the weights."""
+    from safetensors import SafetensorError, safe_open
+
+    try:
+        with safe_open(path / "adapter_model.safetensors", "pt"):
+            pass
+    except SafetensorError as err:
+        raise damaged(path, "adapter_model.safetensors", err) from None
+
+
+def damaged(path: Path, name: str, err: Exception) -> CheckpointError:
+    return CheckpointError(f"{path / name} is damaged ({str(err).splitlines()[0][:120]}): copy it again, or delete "
+                           f"{path} (--resume then continues from the checkpoint before it)")
 
 
 def parse_row(line: str) -> dict | None:
@@ -134,7 +156,18 @@ def read_rows(path: Path) -> list[dict]:
 
 def drop_rows_after(path: Path, step: int) -> None:
     """On resume: keep the metrics rows up to the checkpoint's step; the steps after it run again."""
-    path.write_text("".join(json.dumps(r) + "\n" for r in read_rows(path) if r["step"] <= step))
+    write_atomic(path, "".join(json.dumps(r) + "\n" for r in read_rows(path) if r["step"] <= step))
+
+
+def write_atomic(path: Path, text: str) -> None:
+    """Replace `path`'s contents with `text` whole: written aside, then renamed, so that a kill or a full disk
+    during the write leaves the old file (the run's metrics, its config, eval.py's results), never half of each."""
+    tmp = path.with_name(f".tmp-{path.name}")
+    try:
+        tmp.write_text(text)
+        os.replace(tmp, path)
+    finally:
+        tmp.unlink(missing_ok=True)
 
 
 # ----------------------------------------------------------------------------- --resume

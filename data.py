@@ -103,17 +103,20 @@ def read_jsonl(path: Path) -> list[Example]:
         what = "is a directory, not a file" if path.is_dir() else "does not exist"
         raise DataError(f"dataset file {path} {what}; pass a .jsonl path, '{GSM8K}' or '{ARITH}'")
     examples, unusable = [], []
-    with open(path) as f:
-        for number, line in enumerate(f, start=1):
-            try:
-                row = json.loads(line)
-            except json.JSONDecodeError:
-                row = None
-            example = _example(row) if isinstance(row, dict) else None
-            if example is not None:
-                examples.append(example)
-            elif line.strip():
-                unusable.append(number)
+    try:
+        lines = path.read_text(encoding="utf-8").split("\n")  # not splitlines(): JSON strings may hold U+2028
+    except UnicodeDecodeError as err:
+        raise DataError(f"{path} is not UTF-8 text ({err.reason} at byte {err.start}); save it as UTF-8 JSON lines") from None
+    for number, line in enumerate(lines, start=1):
+        try:
+            row = json.loads(line)
+        except json.JSONDecodeError:
+            row = None
+        example = _example(row) if isinstance(row, dict) else None
+        if example is not None:
+            examples.append(example)
+        elif line.strip():
+            unusable.append(number)
     if unusable:  # skipped, and said: a silently shorter dataset would be a different experiment
         log.warning("%s: skipped %d unusable line(s) (not JSON with 'question' and a numeric 'answer'), first at line %d",
                     path, len(unusable), unusable[0])

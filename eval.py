@@ -31,6 +31,7 @@ import argparse
 import contextlib
 import csv
 import hashlib
+import io
 import json
 import logging
 import math
@@ -108,7 +109,7 @@ def find_targets(path: str) -> tuple[str, list[Target], Path | None]:
     if (p / "adapter_config.json").exists():
         return base_model_of(p), [target_of(p)], None
     if p.is_dir() and (p / "config.json").exists() and json.loads((p / "config.json").read_text()).get("model_resolved"):
-        found = [c for c in checkpoint.find(p) if (c / "adapter_config.json").exists()]
+        found = checkpoint.find(p, needs=("adapter_model.safetensors", "adapter_config.json", "trainer_state.json"))
         if not found:
             raise EvalError(f"{p} has no checkpoint-STEP directories yet; train first or wait for the first save")
         return base_model_of(found[0]), [Target(BASE, None)] + [target_of(c) for c in found], p
@@ -120,6 +121,7 @@ def find_targets(path: str) -> tuple[str, list[Target], Path | None]:
 
 
 def target_of(path: Path) -> Target:
+    checkpoint.check_adapter(path)  # before any model loads: a damaged checkpoint stops here, in one line
     state_file = path / "trainer_state.json"
     state = json.loads(state_file.read_text()) if state_file.exists() else {}
     return Target(path.name, path, state.get("step", 0), state.get("elapsed_s", 0.0))
@@ -172,11 +174,23 @@ def results_name(dataset: str) -> str:
 
 
 def load_results(out: Path, settings: Settings, force: bool) -> list[dict]:
-    if not out.exists() or force:
+    """The results already in `out`. A file that is not eval.py's results is refused, --force or not: --out
+    pointed at a run's metrics.jsonl or config.json would otherwise replace it."""
+    if out.is_dir():
+        raise EvalError(f"--out {out} is a directory; name the results file, e.g. {out / results_name(settings.dataset)}")
+    if not out.exists():
         return []
-    stored = json.loads(out.read_text())
-    if stored.get("settings") != settings.key():
-        differing = {k: v for k, v in stored.get("settings", {}).items() if settings.key().get(k) != v}
+    try:
+        stored = json.loads(out.read_text())
+    except (ValueError, UnicodeDecodeError):
+        stored = None
+    if not (isinstance(stored, dict) and isinstance(stored.get("settings"), dict) and isinstance(stored.get("results"), list)):
+        raise EvalError(f"{out} is not an eval.py results file (JSON with settings and results); choose another --out, "
+                        f"or delete it if it is a damaged one")
+    if force:
+        return []
+    if stored["settings"] != settings.key():
+        differing = {k: v for k, v in stored["settings"].items() if settings.key().get(k) != v}
         raise EvalError(f"{out} holds results made with other settings {differing}; pass --force to redo them or choose --out")
     return stored["results"]
 
@@ -186,12 +200,13 @@ def write_results(out: Path, settings: Settings, results: list[dict]) -> None:
     # (rows stored or cached before one repeat had no standard error said 0.0: every row's is recomputed)
     results = sorted(({**r, "accuracy_se": standard_error(r["accuracies"])} if "accuracies" in r else r for r in results),
                      key=lambda r: r["step"])
-    out.write_text(json.dumps({"settings": settings.key(), "results": results}, indent=2))
-    with open(out.with_suffix(".csv"), "w", newline="") as f:
-        writer = csv.writer(f)
-        writer.writerow(["checkpoint", "step", "elapsed_s", "accuracy", "accuracy_se", "format_rate"])
-        for r in results:
-            writer.writerow([r["checkpoint"], r["step"], r["elapsed_s"], r["accuracy"], r["accuracy_se"], r["format_rate"]])
+    checkpoint.write_atomic(out, json.dumps({"settings": settings.key(), "results": results}, indent=2))
+    table = io.StringIO()
+    writer = csv.writer(table)
+    writer.writerow(["checkpoint", "step", "elapsed_s", "accuracy", "accuracy_se", "format_rate"])
+    for r in results:
+        writer.writerow([r["checkpoint"], r["step"], r["elapsed_s"], r["accuracy"], r["accuracy_se"], r["format_rate"]])
+    checkpoint.write_atomic(out.with_suffix(".csv"), table.getvalue())
 
 
 def is_result_of(result: dict, target: Target, base: str) -> bool:
@@ -293,7 +308,7 @@ def evaluate_targets(todo: list[Target], model, sampler, adapters: list[Path], p
         write_results(out_path, settings, done)  # after every checkpoint: an interrupted eval keeps its work
         if target.adapter is None:
             cache.parent.mkdir(parents=True, exist_ok=True)
-            cache.write_text(json.dumps(result))
+            checkpoint.write_atomic(cache, json.dumps(result))
         spread = "(one repeat: no standard error)" if result["accuracy_se"] is None else f"+- {result['accuracy_se']:.3f}"
         log.info("%s (step %d, %.0f s): accuracy %.3f %s, format %.3f", target.name, target.step, target.elapsed_s,
                  result["accuracy"], spread, result["format_rate"])
@@ -302,10 +317,7 @@ def evaluate_targets(todo: list[Target], model, sampler, adapters: list[Path], p
 def load_target(model, sampler, target: Target) -> None:
     """Point the sampler (vLLM: a LoRARequest) and, with transformers, the model at the target's adapter weights."""
     if model is not None and target.adapter is not None:
-        from peft import set_peft_model_state_dict
-        from safetensors.torch import load_file
-
-        set_peft_model_state_dict(model, load_file(target.adapter / "adapter_model.safetensors"))
+        checkpoint.load_adapter(target.adapter, model)
     sampler.set_adapter(None if target.adapter is None else str(target.adapter))
 
 
@@ -352,7 +364,7 @@ def make_vllm_sampler(model_path: str, tokenizer, prompts: list[list[int]], adap
 def run_config(path: str | Path) -> dict:
     """config.json of the run that PATH is (or is a checkpoint of); {} for a base model."""
     for config in (Path(path) / "config.json", Path(path).parent / "config.json"):
-        found = json.loads(config.read_text()) if config.exists() else {}
+        found = plot.read_json(config, "copy the run (or model) again") if config.exists() else {}
         if "model_resolved" in found:  # train.py's config, not a model's own config.json
             return found
     return {}
@@ -423,8 +435,11 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--force", action="store_true", help="re-evaluate checkpoints already in the results file [off]")
     args = parser.parse_args(argv)
     try:
+        if sum(map(bool, (args.path, args.plot, args.plot_train))) > 1:
+            raise EvalError("give one of PATH (evaluate it), --plot RUN_DIR ... or --plot-train RUN_DIR ..., not several")
         if args.plot_train:
             out = Path(args.out or "training_curves.png")
+            plot.check_figure_path(out)
             print(plot.plot_training([Path(p) for p in args.plot_train], out))
             print(f"figure: {out}")
             return 0
@@ -432,6 +447,7 @@ def main(argv: list[str] | None = None) -> int:
             if not 0 < args.target_frac <= 1:
                 raise EvalError(f"--target-frac {args.target_frac} must be in (0, 1]: a share of the baseline's peak accuracy")
             out = Path(args.out or "accuracy_vs_time.png")
+            plot.check_figure_path(out)
             results_file = results_name(args.dataset) if args.dataset else None
             print(plot.plot([Path(p) for p in args.plot], out, results_file, args.baseline, args.target_frac))
             print(f"figure: {out}")
@@ -455,7 +471,7 @@ def main(argv: list[str] | None = None) -> int:
         options = VLLMOptions(args.gpu_memory_utilization, args.vllm_kv_cache_gb, args.enforce_eager)
         out = evaluate(args.path, settings, args.out, args.force, args.backend, options)
         print(f"results: {out}")
-    except (EvalError, plot.PlotError, data.DataError, models.SetupError) as err:
+    except (EvalError, plot.PlotError, data.DataError, models.SetupError, checkpoint.CheckpointError) as err:
         print(f"error: {err}", file=sys.stderr)
         return 2
     except KeyboardInterrupt:

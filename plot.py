@@ -88,6 +88,17 @@ def differing_keys(a: dict, b: dict, ignore: frozenset[str] | set[str] = frozens
     return sorted(k for k in a.keys() | b.keys() if k not in ignore and a.get(k) != b.get(k))
 
 
+def read_json(path: Path, fix: str) -> dict:
+    """A run's JSON file (config.json, eval-*.json) as a dict; a damaged one stops with `fix`."""
+    try:
+        found = json.loads(path.read_text())
+    except (ValueError, UnicodeDecodeError):
+        found = None
+    if not isinstance(found, dict):
+        raise PlotError(f"{path} is damaged (not a JSON object); {fix}")
+    return found
+
+
 def group_curves(run_dirs: list[Path], results_file: str | None, clock=None
                  ) -> tuple[dict[str, list[tuple[list[float], list[float]]]], dict[str, list[int]], dict[int, str]]:
     """Accuracy curves grouped by label (rule, n, m), each group's runs in the order of their seeds,
@@ -102,6 +113,7 @@ def group_curves(run_dirs: list[Path], results_file: str | None, clock=None
     precisions: dict[int, tuple[str, Path]] = {}
     first_config: dict[str, tuple[Path, dict]] = {}
     eval_settings: tuple[Path, dict] | None = None
+    seen: dict[tuple[str, int], Path] = {}
     for run in run_dirs:
         if not (run / "config.json").exists():
             raise PlotError(f"{run} is not a run directory (no config.json)")
@@ -111,7 +123,11 @@ def group_curves(run_dirs: list[Path], results_file: str | None, clock=None
         if len(files) != 1:
             what = "no eval-*.json" if not files else f"several results files ({', '.join(f.name for f in files)})"
             raise PlotError(f"{run} has {what}; run `python eval.py {run}` first, or pass --dataset to pick one")
-        stored = json.loads(files[0].read_text())
+        stored = read_json(files[0], f"evaluate again: python eval.py {run} --force")
+        if not (isinstance(stored.get("settings"), dict) and isinstance(stored.get("results"), list)):
+            raise PlotError(f"{files[0]} is not eval.py's results (settings and results); evaluate again: python eval.py {run} --force")
+        if not any(r.get("step", 0) > 0 for r in stored["results"]):
+            raise PlotError(f"{files[0]} holds no evaluated checkpoint (at most the base model); finish it: python eval.py {run}")
         if eval_settings is None:
             eval_settings = (run, stored["settings"])
         elif differing := differing_keys(stored["settings"], eval_settings[1], ignore={"precision"}):
@@ -120,7 +136,7 @@ def group_curves(run_dirs: list[Path], results_file: str | None, clock=None
             flags = " ".join(f"--{key.replace('_', '-')} {'all' if first.get(key) is None else first[key]}" for key in differing)
             raise PlotError(f"{run} and {eval_settings[0]} were evaluated with different settings ({values}); "
                             f"evaluate them alike before comparing: python eval.py {run} {flags} --force")
-        config = json.loads((run / "config.json").read_text())
+        config = read_json(run / "config.json", "it is the run's settings, written by train.py: copy the run again")
         label = label_of(config)
         if label in first_config:
             other, other_config = first_config[label]
@@ -130,6 +146,9 @@ def group_curves(run_dirs: list[Path], results_file: str | None, clock=None
                                 f"not only the seed; plot them separately")
         first_config.setdefault(label, (run, config))
         seed, precision = config.get("seed", 0), run_precision(config, stored["settings"])
+        if (label, seed) in seen:  # the same run twice, or a copy: one seed counted as two
+            raise PlotError(f"{run} and {seen[label, seed]} are both seed {seed} of {label}; pass each seed once")
+        seen[label, seed] = run
         if precisions.setdefault(seed, (precision, run))[0] != precision:
             other_precision, other = precisions[seed]
             raise PlotError(f"{run} and {other}, both seed {seed}, differ in precision ({precision}; {other_precision}); "
@@ -207,6 +226,18 @@ def compare(run_dirs: list[Path], results_file: str | None, baseline: str | None
 
 
 # ----------------------------------------------------------------------------- figures and the speed-up table
+
+
+def check_figure_path(out: Path) -> None:
+    """Refuse, before any work, a figure path matplotlib would not write as given: a directory, no extension
+    (it would add ".png"), or a format it does not know."""
+    import matplotlib.figure
+
+    formats = matplotlib.figure.Figure().canvas.get_supported_filetypes()
+    if out.is_dir():
+        raise PlotError(f"--out {out} is a directory; name the figure, e.g. {out / 'figure.png'}")
+    if out.suffix[1:].lower() not in formats:
+        raise PlotError(f"--out {out}: name a figure ending in .png, .pdf or .svg (matplotlib writes {', '.join(sorted(formats))})")
 
 
 def draw(comparison: Comparison, out: Path, frac: float = TARGET_FRAC, xlabel: str = "training time (minutes)") -> None:
@@ -289,6 +320,8 @@ def plot_training(run_dirs: list[Path], out: Path, smooth: int = 5) -> str:
     fig, axes = plt.subplots(1, len(TRAINING_PANELS), figsize=(4 * len(TRAINING_PANELS), 3.4))
     lines = [f"{'run':<36}{'steps':>7}{'minutes':>9}{'s/step':>8}{'accuracy, first -> last 10%':>30}"]
     for number, run in enumerate(run_dirs):
+        if not run.is_dir():
+            raise PlotError(f"{run} is not a directory: pass a run's --out-dir")
         rows = read_metrics(run)
         if not rows:
             raise PlotError(f"{run} has no metrics.jsonl rows: pass a run's --out-dir")

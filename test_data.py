@@ -35,6 +35,13 @@ def test_arith_splits_are_reproducible_and_distinct():
         data.load_examples("arith", "train", seed=data.ARITH_TEST_SEED)  # its stream would start with the test split
 
 
+def test_a_dataset_file_that_is_not_utf8_stops_in_one_line(tmp_path):
+    path = tmp_path / "latin.jsonl"
+    path.write_bytes('{"question": "Wie viel kostet ein Brötchen?", "answer": "1"}\n'.encode("latin-1"))
+    with pytest.raises(data.DataError, match=f"^{path} is not UTF-8 text \\(invalid start byte at byte 36\\); save it as UTF-8 JSON lines$"):
+        data.load_examples(str(path), "train")
+
+
 def test_jsonl_reader_accepts_gsm8k_solutions_and_bare_numbers(tmp_path):
     path = tmp_path / "d.jsonl"
     path.write_text('{"question": "q1", "answer": "x\\n#### 1,200"}\n{"question": "q2", "answer": 7}\nnot json\n{"question": "q3"}\n')

@@ -6,6 +6,7 @@ from __future__ import annotations
 import inspect
 import json
 import math
+import shutil
 from pathlib import Path
 
 import numpy as np
@@ -127,6 +128,38 @@ def test_eval_refuses_results_made_with_other_settings(tiny_run, capsys):
     assert "holds results made with other settings {'dataset': 'arith'}" in capsys.readouterr().err
 
 
+def test_eval_out_naming_a_file_that_is_not_results_is_refused_even_with_force(tiny_run, tmp_path, capsys):
+    """--out pointed at a run's metrics.jsonl or config.json (or a damaged results file) stops before any model
+    loads, --force or not: --force would have replaced the run's metrics with results; a directory is refused too."""
+    for name in ("metrics.jsonl", "config.json"):
+        before = (tiny_run / name).read_bytes()
+        for force in ([], ["--force"]):
+            assert evaluation.main([str(tiny_run), "--out", str(tiny_run / name), *force]) == 2
+            assert capsys.readouterr().err == (f"error: {tiny_run / name} is not an eval.py results file (JSON with settings and results); "
+                                               f"choose another --out, or delete it if it is a damaged one\n")
+        assert (tiny_run / name).read_bytes() == before
+    assert evaluation.main([str(tiny_run), "--dataset", "arith", "--out", str(tmp_path)]) == 2
+    assert capsys.readouterr().err == f"error: --out {tmp_path} is a directory; name the results file, e.g. {tmp_path / 'eval-arith.json'}\n"
+
+
+def test_eval_of_checkpoints_without_optimizer_state_and_of_a_damaged_one(tiny_run, tmp_path, capsys):
+    """eval.py needs a checkpoint's adapter and step, not its optimizer state (training_state.pt, left out of a copy
+    to save space); a damaged adapter file stops in one line before any model loads."""
+    run = tmp_path / "run"
+    shutil.copytree(tiny_run, run, ignore=shutil.ignore_patterns("eval-*", "training_state.pt"))
+    argv = [str(run), "--dataset", "arith", "--limit", "2", "--repeats", "1", "--max-new-tokens", "4"]
+    assert evaluation.main(argv) == 0
+    assert [r["checkpoint"] for r in json.loads((run / "eval-arith.json").read_text())["results"]] == ["base", "checkpoint-1", "checkpoint-2"]
+    adapter = run / "checkpoint-2" / "adapter_model.safetensors"
+    adapter.write_bytes(adapter.read_bytes()[:-100])  # a copy cut short
+    capsys.readouterr()
+    for path in (run, run / "checkpoint-2"):
+        assert evaluation.main([str(path), *argv[1:], "--force"]) == 2
+        assert capsys.readouterr().err == (f"error: {adapter} is damaged (Error while deserializing header: incomplete metadata, file not "
+                                           f"fully covered): copy it again, or delete {run / 'checkpoint-2'} (--resume then continues "
+                                           f"from the checkpoint before it)\n")
+
+
 def test_eval_help_gives_each_default(capsys):
     with pytest.raises(SystemExit):
         evaluation.main(["--help"])
@@ -226,6 +259,35 @@ def test_plot_takes_seeds_of_another_precision_but_refuses_a_seed_split_between_
         assert "train and evaluate them alike" in err and len(err.strip().splitlines()) == 1
 
 
+def test_plot_refuses_in_one_line_what_it_cannot_read_honestly(tmp_path, capsys):
+    """A seed passed twice (the same run, or a copy) would count as two seeds; a run evaluated at its base model only
+    would be a curve of one point; a damaged results file, a figure name matplotlib would change, and several modes
+    at once each stop with what to do, before anything is drawn."""
+    grpo = fake_run(tmp_path, "grpo", "none", 8, 8, [(0, 0.2), (60, 0.4)])
+    pods = fake_run(tmp_path, "pods", "max_variance", 8, 4, [(0, 0.2), (60, 0.5)])
+    copy = tmp_path / "pods-copy"
+    shutil.copytree(pods, copy)
+    base_only = fake_run(tmp_path, "pods-s1", "max_variance", 8, 4, [(0, 0.2)], seed=1)
+    damaged = fake_run(tmp_path, "pods-s2", "max_variance", 8, 4, [(0, 0.2), (60, 0.5)], seed=2)
+    (damaged / "eval-arith.json").write_text((damaged / "eval-arith.json").read_text()[:50])
+    png = str(tmp_path / "f.png")
+    for runs, expected in (
+            ([grpo, pods, pods], f"{pods} and {pods} are both seed 0 of PODS max_variance n=8 m=4; pass each seed once"),
+            ([grpo, pods, copy], f"{copy} and {pods} are both seed 0 of PODS max_variance n=8 m=4; pass each seed once"),
+            ([grpo, base_only], f"{base_only / 'eval-arith.json'} holds no evaluated checkpoint (at most the base model); "
+                                f"finish it: python eval.py {base_only}"),
+            ([grpo, damaged], f"{damaged / 'eval-arith.json'} is damaged (not a JSON object); evaluate again: python eval.py {damaged} --force")):
+        assert evaluation.main(["--plot", *map(str, runs), "--out", png]) == 2
+        assert capsys.readouterr().err == f"error: {expected}\n"
+    for out in ("fig", "fig.xyz", str(tmp_path)):
+        for mode in (["--plot", str(grpo), str(pods)], ["--plot-train", str(grpo)]):
+            assert evaluation.main([*mode, "--out", out]) == 2
+            assert capsys.readouterr().err.startswith(f"error: --out {out}")
+    assert not (tmp_path / "fig.png").exists() and not Path("fig.png").exists()
+    assert evaluation.main([str(grpo), "--plot", str(grpo), str(pods)]) == 2
+    assert "give one of PATH (evaluate it), --plot RUN_DIR ... or --plot-train RUN_DIR ..., not several" in capsys.readouterr().err
+
+
 def test_up_to_ends_every_run_at_one_time_interpolating_where_a_run_went_on():
     groups = {"a": [([0, 60, 180], [0.1, 0.4, 0.7]), ([0, 120], [0.2, 0.6])], "b": [([0, 90], [0.0, 0.9])]}
     assert plot.up_to(groups, 90) == {"a": [([0, 60, 90], [0.1, 0.4, 0.475]), ([0, 90], [0.2, 0.5])],
@@ -250,7 +312,7 @@ def test_plot_reads_every_setting_up_to_the_shortest_run_so_a_peak_after_it_sets
 
 def test_plot_with_nothing_to_compare_exits_2(tmp_path, capsys):
     a = fake_run(tmp_path, "a", "none", 8, 8, [(0, 0.2), (60, 0.3)])
-    b = fake_run(tmp_path, "b", "none", 8, 8, [(0, 0.2), (60, 0.4)])
+    b = fake_run(tmp_path, "b", "none", 8, 8, [(0, 0.2), (60, 0.4)], seed=1)
     assert evaluation.main(["--plot", str(a), str(b), "--out", str(tmp_path / "f.png")]) == 2
     assert "nothing to compare" in capsys.readouterr().err
     assert evaluation.main(["--plot", str(tmp_path / "nope"), "--out", str(tmp_path / "f.png")]) == 2
@@ -500,6 +562,9 @@ def test_plot_train_draws_a_runs_training_curves_from_its_metrics_alone(tiny_run
     assert summary[1].split()[:2] == [tiny_run.name, "2"]
     assert summary[1].split()[-3:] == [f"{rows[0]['accuracy']:.3f}", "->", f"{rows[-1]['accuracy']:.3f}"]
     assert evaluation.main(["--plot-train", str(tmp_path / "nothing"), "--out", str(png)]) == 2
+    assert capsys.readouterr().err == f"error: {tmp_path / 'nothing'} is not a directory: pass a run's --out-dir\n"
+    (tmp_path / "empty").mkdir()
+    assert evaluation.main(["--plot-train", str(tmp_path / "empty"), "--out", str(png)]) == 2
     assert "has no metrics.jsonl rows" in capsys.readouterr().err
 
 

@@ -785,6 +785,36 @@ def test_an_incomplete_checkpoint_directory_is_left_out_and_resume_takes_the_las
     assert [r["step"] for r in read_metrics(out)] == [1, 2] and [p.name for p in checkpoint.find(out)] == ["checkpoint-1", "checkpoint-2"]
 
 
+def test_write_atomic_leaves_the_old_file_whole_when_the_write_fails(tmp_path):
+    """The run's metrics (rewritten on --resume), its config and eval.py's results: a write that fails part-way
+    leaves the old contents and no stray file (a plain write_text had emptied the file first)."""
+    path = tmp_path / "metrics.jsonl"
+    path.write_text("old\n")
+    with pytest.raises(UnicodeEncodeError):
+        checkpoint.write_atomic(path, "new \udc80")  # not encodable: the write fails after the file was opened
+    assert path.read_text() == "old\n" and list(tmp_path.iterdir()) == [path]
+    checkpoint.write_atomic(path, "new\n")
+    assert path.read_text() == "new\n" and list(tmp_path.iterdir()) == [path]
+
+
+@pytest.mark.parametrize("name", ["adapter_model.safetensors", "training_state.pt"])
+def test_a_damaged_checkpoint_stops_resume_in_one_line_and_resume_goes_on_once_it_is_deleted(tiny_model_dir, tmp_path, capsys, name, length_rewards):
+    """A checkpoint file cut short (a copy interrupted): --resume stops with exit 1 and says what to do, not a
+    traceback; deleting the checkpoint as it says resumes from the one before."""
+    out = tmp_path / "run"
+    assert train.main(tiny_args(tiny_model_dir, out, "--steps", "2", "--save-every-steps", "1")) == 0
+    damaged = out / "checkpoint-2" / name
+    damaged.write_bytes(damaged.read_bytes()[:1000])
+    capsys.readouterr()
+    assert train.main(tiny_args(tiny_model_dir, out, "--steps", "2", "--resume")) == 1
+    err = capsys.readouterr().err.strip().splitlines()
+    assert err[-1].startswith(f"error: {damaged} is damaged (") and "Traceback" not in "".join(err)
+    assert err[-1].endswith(f"): copy it again, or delete {out / 'checkpoint-2'} (--resume then continues from the checkpoint before it)")
+    shutil.rmtree(out / "checkpoint-2")
+    assert train.main(tiny_args(tiny_model_dir, out, "--steps", "2", "--resume")) == 0
+    assert [r["step"] for r in read_metrics(out)] == [1, 2]
+
+
 def test_a_second_ctrl_c_quits_without_saving(tiny_model_dir, tmp_path, monkeypatch, capsys, length_rewards):
     original = train.policy_update
 

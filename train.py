@@ -328,7 +328,7 @@ def train(args: Args, world: distributed.World = distributed.World()) -> Path:
         if world.is_main:
             run_config = dataclasses.asdict(args) | {"model_resolved": model_name, "device": device, "torch": torch.__version__,
                                                      "world_size": world.size}
-            (out_dir / "config.json").write_text(json.dumps(run_config, indent=2))
+            checkpoint.write_atomic(out_dir / "config.json", json.dumps(run_config, indent=2))
 
         stream = data.PromptStream(examples, lambda question: sampling.build_prompt(tokenizer, question), args.max_prompt_tokens,
                                    args.seed, state["data_position"])
