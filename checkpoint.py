@@ -23,6 +23,8 @@ import os
 import pickle
 import random
 import shutil
+import stat
+import uuid
 from pathlib import Path
 
 import numpy as np
@@ -97,7 +99,7 @@ def load(path: Path, model, optimizer, scheduler, rng: np.random.Generator,
     try:  # map_location: tensors saved from rank 0's GPU would otherwise be restored onto GPU 0 by every rank
         saved = torch.load(path / "training_state.pt", map_location="cpu", weights_only=False)
     except (OSError, RuntimeError, EOFError, pickle.UnpicklingError) as err:  # a file cut short, or another file in its place
-        raise damaged(path, "training_state.pt", err) from None
+        raise unreadable(path, "training_state.pt", err) from None
     optimizer.load_state_dict(saved["optimizer"])
     scheduler.load_state_dict(saved["scheduler"])
     if "random_states" in saved:
@@ -126,19 +128,23 @@ def load_adapter(path: Path, model) -> None:
 
 def check_adapter(path: Path) -> None:
     """Stop in one line where checkpoint `path`'s adapter weights cannot be read: safetensors checks their header
-    and the file's length, without reading the weights."""
+    and the file's length, without reading the weights. (An adapter saved in another format is left to its loader.)"""
     from safetensors import SafetensorError, safe_open
 
+    weights = path / "adapter_model.safetensors"
+    if not os.path.lexists(weights):
+        return
     try:
-        with safe_open(path / "adapter_model.safetensors", "pt"):
+        with safe_open(weights, "pt"):
             pass
-    except SafetensorError as err:
-        raise damaged(path, "adapter_model.safetensors", err) from None
+    except (SafetensorError, OSError) as err:
+        raise unreadable(path, weights.name, err) from None
 
 
-def damaged(path: Path, name: str, err: Exception) -> CheckpointError:
-    return CheckpointError(f"{path / name} is damaged ({str(err).splitlines()[0][:120]}): copy it again, or delete "
-                           f"{path} (--resume then continues from the checkpoint before it)")
+def unreadable(path: Path, name: str, err: Exception) -> CheckpointError:
+    """The one line for a checkpoint file that cannot be read: cut short by a copy, or another file in its place."""
+    return CheckpointError(f"{path / name} cannot be read ({str(err).splitlines()[0][:120]}): copy it again, or delete {path} "
+                           f"(eval.py then leaves it out, and --resume continues from the checkpoint before it)")
 
 
 def parse_row(line: str) -> dict | None:
@@ -161,10 +167,15 @@ def drop_rows_after(path: Path, step: int) -> None:
 
 def write_atomic(path: Path, text: str) -> None:
     """Replace `path`'s contents with `text` whole: written aside, then renamed, so that a kill or a full disk
-    during the write leaves the old file (the run's metrics, its config, eval.py's results), never half of each."""
-    tmp = path.with_name(f".tmp-{path.name}")
+    during the write leaves the old file (the run's metrics, its config, eval.py's results), never half of each.
+    The file aside is this process's own (two eval.py processes may write one base-model result), and takes the
+    replaced file's permissions; a symbolic link is followed."""
+    path = Path(os.path.realpath(path))
+    tmp = path.with_name(f".tmp-{path.name}-{os.getpid()}-{uuid.uuid4().hex[:8]}")
     try:
-        tmp.write_text(text)
+        tmp.write_text(text, newline="")  # as given: no line-ending translation
+        if path.exists():
+            os.chmod(tmp, stat.S_IMODE(path.stat().st_mode))
         os.replace(tmp, path)
     finally:
         tmp.unlink(missing_ok=True)

@@ -104,7 +104,7 @@ def read_jsonl(path: Path) -> list[Example]:
         raise DataError(f"dataset file {path} {what}; pass a .jsonl path, '{GSM8K}' or '{ARITH}'")
     examples, unusable = [], []
     try:
-        lines = path.read_text(encoding="utf-8").split("\n")  # not splitlines(): JSON strings may hold U+2028
+        lines = path.read_text(encoding="utf-8-sig").split("\n")  # -sig: a byte-order mark; not splitlines(): JSON may hold U+2028
     except UnicodeDecodeError as err:
         raise DataError(f"{path} is not UTF-8 text ({err.reason} at byte {err.start}); save it as UTF-8 JSON lines") from None
     for number, line in enumerate(lines, start=1):

@@ -123,7 +123,7 @@ def find_targets(path: str) -> tuple[str, list[Target], Path | None]:
 def target_of(path: Path) -> Target:
     checkpoint.check_adapter(path)  # before any model loads: a damaged checkpoint stops here, in one line
     state_file = path / "trainer_state.json"
-    state = json.loads(state_file.read_text()) if state_file.exists() else {}
+    state = plot.read_json(state_file, "copy the checkpoint again") if state_file.exists() else {}
     return Target(path.name, path, state.get("step", 0), state.get("elapsed_s", 0.0))
 
 
@@ -256,7 +256,7 @@ def evaluate(path: str, settings: Settings, out: str | None, force: bool, backen
     log.info("%d to evaluate, %d already in %s", len(todo), len(targets) - len(todo), out_path)
     cache = base_cache_file(base, settings)
     if not force and cache.exists() and any(t.adapter is None for t in todo):
-        done.append(json.loads(cache.read_text()))
+        done.append(plot.read_json(cache, "delete it, or pass --force to evaluate the base model again"))
         todo = [t for t in todo if t.adapter is not None]
         write_results(out_path, settings, done)
         log.info("base model: result reused from %s (--force re-evaluates it)", cache)

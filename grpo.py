@@ -129,7 +129,7 @@ def grpo_loss(
         is_clipped = ((ratio < 1.0 - clip_eps) & (adv < 0)) | ((ratio > 1.0 + clip_eps_high) & (adv > 0))
         stats = {
             "clip_frac": mean(is_clipped.to(mask.dtype)),
-            "ratio_mean": mean(ratio),
+            "ratio_mean": 1.0 + mean(ratio - 1.0),  # an empty completion counts as ratio 1, not 0
             "kl": mean(kl) if kl is not None else 0.0,
         }
     return loss, stats

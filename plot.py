@@ -233,7 +233,7 @@ def check_figure_path(out: Path) -> None:
     (it would add ".png"), or a format it does not know."""
     import matplotlib.figure
 
-    formats = matplotlib.figure.Figure().canvas.get_supported_filetypes()
+    formats = set(matplotlib.figure.Figure().canvas.get_supported_filetypes()) - {"pgf"}  # pgf needs a LaTeX install
     if out.is_dir():
         raise PlotError(f"--out {out} is a directory; name the figure, e.g. {out / 'figure.png'}")
     if out.suffix[1:].lower() not in formats:

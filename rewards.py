@@ -41,9 +41,9 @@ _ANSWER = re.compile(r"<answer>(.*?)</answer>", re.DOTALL)
 _STRUCTURE = re.compile(r"^\s*<think>.*?</think>\s*<answer>.*?</answer>\s*$", re.DOTALL)
 # A number: optional minus (not after a word character, so "5-3" reads as 5 and 3), digits
 # with optional thousands commas ("1,000" but not "1,2"), optional decimals, optional "/denominator"; or ".5";
-# or a mixed number, whole digits, spaces and a fraction ("2 1/2").
-_NUMBER = re.compile(r"(?:(?<![\w)])-\s?)?(?:\d+[ \t]+\d+\s?/\s?\d+|(?:\d{1,3}(?:,\d{3})+(?!\d)|\d+)(?:\.\d+)?(?:\s?/\s?\d+)?|\.\d+)")
-_MIXED = re.compile(r"(-)?\s?(\d+)[ \t]+(\d+)\s?/\s?(\d+)")  # the parts of a mixed number _NUMBER found
+# or a mixed number: whole digits (not after a letter, "^", "." or ","), a space and a fraction ("2 1/2").
+_NUMBER = re.compile(r"(?:(?<![\w)])-\s?)?(?:(?<![\w^.,])\d+ {1,2}\d+/\d+|(?:\d{1,3}(?:,\d{3})+(?!\d)|\d+)(?:\.\d+)?(?:\s?/\s?\d+)?|\.\d+)")
+_MIXED = re.compile(r"(-)?\s?(\d+) {1,2}(\d+)/(\d+)")  # the parts of a mixed number _NUMBER found
 # What precedes the minus of a subtraction written with spaces, "10 - 3": a number or ")" and then spaces.
 _OPERAND_BEFORE = re.compile(r"[\d)][ \t]+$")
 # A markdown bullet: "-" starting a line (after optional indentation) and followed by a space or tab.
@@ -57,9 +57,9 @@ def _numbers(text: str, list_markers: bool = True) -> list[str]:
     text), a "- " starting a line is a markdown bullet, not a minus; an answer already extracted has none."""
     if list_markers:
         text = _BULLET.sub(r"\1", text)  # "\n- 72" is a list item, not -72
+    text = text.replace("\u2212", "-")  # Unicode's minus sign (U+2212), never a bullet: "\frac{\u22121}{2}" too
     text = _FRAC.sub(lambda f: f" {f[1] or f[2]}/{f[3] or f[4]}", text)  # the space keeps 2\frac{1}{2} from reading as 21/2
     text = text.replace("{,}", ",").replace("\\,", ",").replace("$", "")  # LaTeX thousands separators: 1{,}000, 1\,000
-    text = text.replace("\u2212", "-")  # Unicode's minus sign (U+2212)
     found = []
     for number in _NUMBER.finditer(text):
         written = number[0]

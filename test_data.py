@@ -35,11 +35,13 @@ def test_arith_splits_are_reproducible_and_distinct():
         data.load_examples("arith", "train", seed=data.ARITH_TEST_SEED)  # its stream would start with the test split
 
 
-def test_a_dataset_file_that_is_not_utf8_stops_in_one_line(tmp_path):
+def test_a_dataset_file_that_is_not_utf8_stops_in_one_line_and_a_byte_order_mark_is_read(tmp_path):
     path = tmp_path / "latin.jsonl"
     path.write_bytes('{"question": "Wie viel kostet ein Brötchen?", "answer": "1"}\n'.encode("latin-1"))
     with pytest.raises(data.DataError, match=f"^{path} is not UTF-8 text \\(invalid start byte at byte 36\\); save it as UTF-8 JSON lines$"):
         data.load_examples(str(path), "train")
+    path.write_bytes(b"\xef\xbb\xbf" + '{"question": "q", "answer": "1"}\n'.encode())  # UTF-8 with a byte-order mark
+    assert data.load_examples(str(path), "train") == [data.Example("q", "1")]
 
 
 def test_jsonl_reader_accepts_gsm8k_solutions_and_bare_numbers(tmp_path):

@@ -155,9 +155,13 @@ def test_eval_of_checkpoints_without_optimizer_state_and_of_a_damaged_one(tiny_r
     capsys.readouterr()
     for path in (run, run / "checkpoint-2"):
         assert evaluation.main([str(path), *argv[1:], "--force"]) == 2
-        assert capsys.readouterr().err == (f"error: {adapter} is damaged (Error while deserializing header: incomplete metadata, file not "
-                                           f"fully covered): copy it again, or delete {run / 'checkpoint-2'} (--resume then continues "
-                                           f"from the checkpoint before it)\n")
+        assert capsys.readouterr().err == (f"error: {adapter} cannot be read (Error while deserializing header: incomplete metadata, file "
+                                           f"not fully covered): copy it again, or delete {run / 'checkpoint-2'} (eval.py then leaves it "
+                                           f"out, and --resume continues from the checkpoint before it)\n")
+    adapter.unlink()
+    adapter.mkdir()  # a directory in its place (a run directory leaves such a checkpoint out, as incomplete)
+    assert evaluation.main([str(run / "checkpoint-2"), *argv[1:], "--force"]) == 2
+    assert capsys.readouterr().err.startswith(f"error: {adapter} cannot be read (")
 
 
 def test_eval_help_gives_each_default(capsys):
@@ -279,7 +283,7 @@ def test_plot_refuses_in_one_line_what_it_cannot_read_honestly(tmp_path, capsys)
             ([grpo, damaged], f"{damaged / 'eval-arith.json'} is damaged (not a JSON object); evaluate again: python eval.py {damaged} --force")):
         assert evaluation.main(["--plot", *map(str, runs), "--out", png]) == 2
         assert capsys.readouterr().err == f"error: {expected}\n"
-    for out in ("fig", "fig.xyz", str(tmp_path)):
+    for out in ("fig", "fig.xyz", "fig.pgf", str(tmp_path)):
         for mode in (["--plot", str(grpo), str(pods)], ["--plot-train", str(grpo)]):
             assert evaluation.main([*mode, "--out", out]) == 2
             assert capsys.readouterr().err.startswith(f"error: --out {out}")

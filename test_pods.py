@@ -215,7 +215,8 @@ def test_reward_table(completion, answer, expected):
         ("3/4", "0.75"), ("1/3", "1/3"), ("6/3", "2"), ("4/0", None), ("about 12 apples", "12"),
         ("1,2", "2"), ("none", None), ("", None), (None, None), ("-0", "0"), (".5", "0.5"),
         ("0.125", "0.125"), ("007", "7"), ("1" * 100, None),
-        ("2 1/2", "2.5"), ("2\\frac{1}{2}", "2.5"), ("2 7/4", "1.75"), ("\u22125", "-5"),
+        ("2 1/2", "2.5"), ("2\\frac{1}{2}", "2.5"), ("2 7/4", "1.75"), ("\u22125", "-5"), ("\\frac{\u22121}{2}", "-0.5"),
+        ("a3 1/2", "0.5"), ("x^2\\frac{1}{4}", "0.25"),  # no mixed number after a letter or an exponent
     ],
 )
 def test_normalize_number(text, expected):
@@ -409,6 +410,12 @@ def test_grpo_loss_hand_computed():
     assert stats["clip_frac"] == pytest.approx((1 / 2 + 0) / 2)
     assert stats["ratio_mean"] == pytest.approx(((1 + 2) / 2 + 1) / 2)
     assert stats["kl"] == 0.0
+
+
+def test_grpo_loss_statistics_count_an_empty_completion_as_no_change():
+    logprobs = torch.zeros(2, 3)
+    _, stats = grpo.grpo_loss(logprobs, logprobs, torch.tensor([1.0, -1.0]), torch.tensor([[1, 1, 1], [0, 0, 0]]))
+    assert stats == {"clip_frac": 0.0, "ratio_mean": 1.0, "kl": 0.0}  # ratio 1 everywhere: the empty row too
 
 
 def test_grpo_loss_with_kl_penalty_uses_k3_estimator():

@@ -793,8 +793,9 @@ def test_write_atomic_leaves_the_old_file_whole_when_the_write_fails(tmp_path):
     with pytest.raises(UnicodeEncodeError):
         checkpoint.write_atomic(path, "new \udc80")  # not encodable: the write fails after the file was opened
     assert path.read_text() == "old\n" and list(tmp_path.iterdir()) == [path]
+    path.chmod(0o640)
     checkpoint.write_atomic(path, "new\n")
-    assert path.read_text() == "new\n" and list(tmp_path.iterdir()) == [path]
+    assert path.read_text() == "new\n" and list(tmp_path.iterdir()) == [path] and path.stat().st_mode & 0o777 == 0o640
 
 
 @pytest.mark.parametrize("name", ["adapter_model.safetensors", "training_state.pt"])
@@ -808,8 +809,9 @@ def test_a_damaged_checkpoint_stops_resume_in_one_line_and_resume_goes_on_once_i
     capsys.readouterr()
     assert train.main(tiny_args(tiny_model_dir, out, "--steps", "2", "--resume")) == 1
     err = capsys.readouterr().err.strip().splitlines()
-    assert err[-1].startswith(f"error: {damaged} is damaged (") and "Traceback" not in "".join(err)
-    assert err[-1].endswith(f"): copy it again, or delete {out / 'checkpoint-2'} (--resume then continues from the checkpoint before it)")
+    assert err[-1].startswith(f"error: {damaged} cannot be read (") and "Traceback" not in "".join(err)
+    assert err[-1].endswith(f"): copy it again, or delete {out / 'checkpoint-2'} (eval.py then leaves it out, and --resume continues "
+                            f"from the checkpoint before it)")
     shutil.rmtree(out / "checkpoint-2")
     assert train.main(tiny_args(tiny_model_dir, out, "--steps", "2", "--resume")) == 0
     assert [r["step"] for r in read_metrics(out)] == [1, 2]
