@@ -180,13 +180,7 @@ def load_results(out: Path, settings: Settings, force: bool) -> list[dict]:
         raise EvalError(f"--out {out} is a directory; name the results file, e.g. {out / results_name(settings.dataset)}")
     if not out.exists():
         return []
-    try:
-        stored = json.loads(out.read_text())
-    except (ValueError, UnicodeDecodeError):
-        stored = None
-    if not (isinstance(stored, dict) and isinstance(stored.get("settings"), dict) and isinstance(stored.get("results"), list)):
-        raise EvalError(f"{out} is not an eval.py results file (JSON with settings and results); choose another --out, "
-                        f"or delete it if it is a damaged one")
+    stored = plot.read_results(out, "choose another --out, or delete it if it is a damaged one")
     if force:
         return []
     if stored["settings"] != settings.key():

@@ -99,6 +99,17 @@ def read_json(path: Path, fix: str) -> dict:
     return found
 
 
+def read_results(path: Path, fix: str) -> dict:
+    """eval.py's results file: JSON with its settings and results; anything else (damaged, another file) stops with `fix`."""
+    try:
+        stored = json.loads(path.read_text())
+    except (ValueError, UnicodeDecodeError):
+        stored = None
+    if not (isinstance(stored, dict) and isinstance(stored.get("settings"), dict) and isinstance(stored.get("results"), list)):
+        raise PlotError(f"{path} is not eval.py's results (JSON with settings and results); {fix}")
+    return stored
+
+
 def group_curves(run_dirs: list[Path], results_file: str | None, clock=None
                  ) -> tuple[dict[str, list[tuple[list[float], list[float]]]], dict[str, list[int]], dict[int, str]]:
     """Accuracy curves grouped by label (rule, n, m), each group's runs in the order of their seeds,
@@ -123,9 +134,7 @@ def group_curves(run_dirs: list[Path], results_file: str | None, clock=None
         if len(files) != 1:
             what = "no eval-*.json" if not files else f"several results files ({', '.join(f.name for f in files)})"
             raise PlotError(f"{run} has {what}; run `python eval.py {run}` first, or pass --dataset to pick one")
-        stored = read_json(files[0], f"evaluate again: python eval.py {run} --force")
-        if not (isinstance(stored.get("settings"), dict) and isinstance(stored.get("results"), list)):
-            raise PlotError(f"{files[0]} is not eval.py's results (settings and results); evaluate again: python eval.py {run} --force")
+        stored = read_results(files[0], f"evaluate again: python eval.py {run} --force")
         if not any(r.get("step", 0) > 0 for r in stored["results"]):
             raise PlotError(f"{files[0]} holds no evaluated checkpoint (at most the base model); finish it: python eval.py {run}")
         if eval_settings is None:

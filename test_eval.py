@@ -135,7 +135,7 @@ def test_eval_out_naming_a_file_that_is_not_results_is_refused_even_with_force(t
         before = (tiny_run / name).read_bytes()
         for force in ([], ["--force"]):
             assert evaluation.main([str(tiny_run), "--out", str(tiny_run / name), *force]) == 2
-            assert capsys.readouterr().err == (f"error: {tiny_run / name} is not an eval.py results file (JSON with settings and results); "
+            assert capsys.readouterr().err == (f"error: {tiny_run / name} is not eval.py's results (JSON with settings and results); "
                                                f"choose another --out, or delete it if it is a damaged one\n")
         assert (tiny_run / name).read_bytes() == before
     assert evaluation.main([str(tiny_run), "--dataset", "arith", "--out", str(tmp_path)]) == 2
@@ -280,7 +280,8 @@ def test_plot_refuses_in_one_line_what_it_cannot_read_honestly(tmp_path, capsys)
             ([grpo, pods, copy], f"{copy} and {pods} are both seed 0 of PODS max_variance n=8 m=4; pass each seed once"),
             ([grpo, base_only], f"{base_only / 'eval-arith.json'} holds no evaluated checkpoint (at most the base model); "
                                 f"finish it: python eval.py {base_only}"),
-            ([grpo, damaged], f"{damaged / 'eval-arith.json'} is damaged (not a JSON object); evaluate again: python eval.py {damaged} --force")):
+            ([grpo, damaged], f"{damaged / 'eval-arith.json'} is not eval.py's results (JSON with settings and results); "
+                              f"evaluate again: python eval.py {damaged} --force")):
         assert evaluation.main(["--plot", *map(str, runs), "--out", png]) == 2
         assert capsys.readouterr().err == f"error: {expected}\n"
     for out in ("fig", "fig.xyz", "fig.pgf", str(tmp_path)):
