@@ -1,9 +1,9 @@
 """Time one training step's phases, GRPO against PODS, with and without prompt sharing.
 
 A measuring tool beside train.py, not part of training: it builds the same model, sampler and update
-as `train.py` (same flags), runs one untimed step at full size (warm_up), then draws --prompts-per-step
-prompts, generates their n rollouts, and runs the update on the m kept for m = n, n/2 and n/4
-(m >= 2), printing a table of seconds per phase, the update's peak memory and each step's cost
+as `train.py` (its flags, but not those of a whole run such as --m or --steps: UNUSED), runs one untimed
+step at full size (warm_up), then draws --prompts-per-step prompts, generates their n rollouts, and runs
+the update on the m kept for m = n, n/2 and n/4 (m >= 2), printing a table of seconds per phase, the update's peak memory and each step's cost
 relative to GRPO's. It then sets GRPO's update against its arithmetic (the FLOPs of its matrix
 products, and the rate this CPU reaches on those products alone at a micro-batch's shape; attention's
 score products are left out) and, with the transformers backend, one decode step against its own
@@ -134,7 +134,8 @@ def benchmark(args: train.Args, repeats: int = 2) -> list[dict]:
         checkpoint.load_adapter(found[-1], model)
     examples = data.load_examples(args.dataset, "train", seed=args.seed)
     stream = data.PromptStream(examples, lambda question: sampling.build_prompt(tokenizer, question), args.max_prompt_tokens, args.seed)
-    optimizer = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=args.lr)
+    optimizer = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=args.lr,
+                                  betas=(args.adam_beta1, args.adam_beta2), weight_decay=args.weight_decay)
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: 1.0)
     sampler = train.make_sampler(args, model, tokenizer, device)
     warm_up(sampler, model, optimizer, scheduler, stream, args, tokenizer.pad_token_id)
@@ -301,9 +302,17 @@ def matmuls_ms(model, rows: int, repeats: int = 3) -> float:
     return best * 1000
 
 
+UNUSED = {  # train.py's flags that have no meaning for one timed step: refused, not silently ignored
+    "m": "benchmark.py times m = n, n/2 and n/4 (m >= 2) itself",
+    **dict.fromkeys(("steps", "time_budget", "save_every_steps", "save_every_minutes", "max_skipped_steps", "warmup_ratio"),
+                    "benchmark.py times single steps at a constant learning rate and saves nothing"),
+    **dict.fromkeys(("uniform_groups", "max_refill_rounds"), "benchmark.py times --uniform-groups keep against skip itself"),
+}
+
+
 def main(argv: list[str] | None = None) -> int:
-    """train.py's flags (config.parse_args over train.Args); a bad one exits 2 with one line, as train.py's do."""
-    args = config.parse_args(train.Args, sys.argv[1:] if argv is None else argv, __doc__.split("\n")[0])
+    """train.py's flags (config.parse_args over train.Args) but those in UNUSED; a bad one exits 2 with one line, as train.py's do."""
+    args = config.parse_args(train.Args, sys.argv[1:] if argv is None else argv, __doc__.split("\n")[0], UNUSED)
     world = distributed.world_from_env()
     if world.launched:  # each rank would time the whole batch on its own, all on one GPU
         progress.say_at_exit("error: benchmark.py times one process; run it with python, not torchrun", world)

@@ -55,12 +55,18 @@ class UsageError(ValueError):
     """A bad command line; the message says what to change."""
 
 
-def parse_args(args_class, argv: list[str] | None = None, description: str = ""):
+def parse_args(args_class, argv: list[str] | None = None, description: str = "", unused: dict[str, str] | None = None):
     """An `args_class` (a dataclass such as train.Args) from the command line: each field a --flag, its
-    metadata["help"] the help text, then its default in brackets; booleans take --flag/--no-flag, --resume alone means yes."""
+    metadata["help"] the help text, then its default in brackets; booleans take --flag/--no-flag, --resume alone means yes.
+    `unused` maps fields a tool does not read to the reason: their flags are left out of --help and refused in one
+    line (exit 2) instead of being ignored; the fields keep their defaults."""
     parser = argparse.ArgumentParser(description=description)
+    unused = unused or {}
     for f in dataclasses.fields(args_class):
         flag = "--" + f.name.replace("_", "-")
+        if f.name in unused:  # any value, even a bad one, is refused for the flag itself
+            parser.add_argument(flag, nargs="?", default=argparse.SUPPRESS, help=argparse.SUPPRESS)
+            continue
         shown = ("on" if f.default else "off") if isinstance(f.default, bool) else f.default
         text = f.metadata["help"] + ("" if f.default is None else f" [{shown}]")  # None: the profile's, in its help
         if f.name == "resume":  # --resume alone means yes
@@ -70,7 +76,11 @@ def parse_args(args_class, argv: list[str] | None = None, description: str = "")
         else:
             kind = {"int": int, "float": float, "str": str}[f.type.split(" ")[0]]
             parser.add_argument(flag, type=kind, default=f.default, help=text)
-    return args_class(**vars(parser.parse_args(argv)))
+    parsed = vars(parser.parse_args(argv))
+    for name in unused:
+        if name in parsed:
+            parser.exit(2, f"{parser.prog}: error: --{name.replace('_', '-')} is not used here: {unused[name]}\n")
+    return args_class(**parsed)
 
 
 def resolve(args, device: str, world_size: int = 1):

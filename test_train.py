@@ -660,6 +660,22 @@ def test_benchmark_under_torchrun_exits_2_with_one_line(monkeypatch, capsys):
     assert capsys.readouterr().err == "error: benchmark.py times one process; run it with python, not torchrun\n"
 
 
+@pytest.mark.parametrize("flag", [["--m", "8"], ["--steps=3"], ["--uniform-groups", "skip"], ["--time-budget", "bogus"]])
+def test_benchmark_refuses_train_flags_it_would_ignore_in_one_line(flag, capsys):
+    """benchmark.py reads train.py's flags, but --m, --steps, --uniform-groups and the like were ignored without a word
+    (it times m = n, n/2, n/4 and keep against skip itself): a user timing `--m 8` got other m's. Now one line, exit 2."""
+    import benchmark
+
+    with pytest.raises(SystemExit) as stop:
+        benchmark.main(["--n", "8", *flag])
+    err = capsys.readouterr().err
+    assert stop.value.code == 2 and err.count("\n") == 1 and "is not used here: benchmark.py times" in err
+    with pytest.raises(SystemExit):
+        benchmark.main(["--help"])
+    shown = capsys.readouterr().out
+    assert "--n N" in shown and "--m M" not in shown and "--steps" not in shown  # not offered either
+
+
 def test_benchmark_counts_the_tokens_an_update_reads_with_the_prompt_per_rollout_or_once_per_group():
     import benchmark
 
