@@ -115,7 +115,7 @@ def find_targets(path: str) -> tuple[str, list[Target], Path | None]:
         return base_model_of(found[0]), [Target(BASE, None)] + [target_of(c) for c in found], p
     if p.is_dir() and not (p / "config.json").exists():
         raise EvalError(f"{p} is neither a run directory, a checkpoint nor a model directory")
-    if not p.exists() and (path.startswith(("/", ".", "~")) or path.count("/") > 1):  # a path, not a hub name
+    if models.missing_path(path):  # a path, not a hub name
         raise EvalError(f"{path} does not exist: give a run directory, a checkpoint, or a model (a hub name, a directory, 'embedded')")
     return path, [Target(BASE, None)], None
 

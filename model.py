@@ -72,6 +72,15 @@ def embedded_model_dir() -> Path:
     return target
 
 
+def missing_path(model: str) -> bool:
+    """True when `model` names a local path that does not exist rather than a hub name ("org/name"): it starts with
+    "/", "." or "~", has more than one "/", or its first part is a local directory ("runs/pdos" beside runs/)."""
+    path = Path(model)
+    if path.exists() or model == EMBEDDED:
+        return False
+    return model.startswith(("/", ".", "~")) or model.count("/") > 1 or (model.count("/") == 1 and path.parent.is_dir())
+
+
 def local_model_path(model: str) -> str:
     """Where `model`'s files are read from: "embedded"'s converted directory, a local directory as given, a hub name
     as given while the hub may be reached, and with the hub unreachable, that model's directory in the local cache.
@@ -79,6 +88,8 @@ def local_model_path(model: str) -> str:
     reads the cache, and vLLM retries ~2 min and fails (0.32.0, without HF_HUB_OFFLINE)."""
     if model == EMBEDDED:
         return str(embedded_model_dir())
+    if missing_path(model):
+        raise SetupError(f"{model} does not exist: give a local model directory, a hub name (org/name) or {EMBEDDED!r}")
     offline = None if Path(model).exists() else hub_unreachable()
     if not offline:
         return model

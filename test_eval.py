@@ -173,7 +173,7 @@ def test_eval_help_gives_each_default(capsys):
         assert shown in text
 
 
-def test_eval_of_a_path_without_checkpoints_exits_2(tmp_path, capsys):
+def test_eval_of_a_path_without_checkpoints_exits_2(tmp_path, capsys, monkeypatch):
     run = tmp_path / "run"
     run.mkdir()
     (run / "config.json").write_text(json.dumps({"model_resolved": "embedded", "rule": "none", "n": 4, "m": 4}))
@@ -183,6 +183,22 @@ def test_eval_of_a_path_without_checkpoints_exits_2(tmp_path, capsys):
     assert "is neither a run directory" in capsys.readouterr().err
     assert evaluation.main([str(tmp_path / "no-such-run")]) == 2  # not looked up in the model hub
     assert capsys.readouterr().err == f"error: {tmp_path / 'no-such-run'} does not exist: give a run directory, a checkpoint, or a model (a hub name, a directory, 'embedded')\n"
+    monkeypatch.chdir(tmp_path)  # 'run/typo' beside run/: a mistyped run, not the hub organization 'run'
+    monkeypatch.setattr(models, "hub_unreachable", lambda: pytest.fail("the hub was asked"))
+    assert evaluation.main(["run/typo"]) == 2
+    assert capsys.readouterr().err.startswith("error: run/typo does not exist: give a run directory")
+
+
+def test_a_missing_local_path_is_told_from_a_hub_name(tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setattr(models, "hub_unreachable", lambda: pytest.fail("the hub was asked"))
+    (tmp_path / "runs").mkdir()
+    for path in ("runs/pdos", "./model", "/no/such/model", "~/model", "a/b/c"):
+        assert models.missing_path(path), path
+        with pytest.raises(models.SetupError, match=f"^{path} does not exist: give a local model directory, a hub name"):
+            models.local_model_path(path)  # before the hub is asked
+    for name in ("Qwen/Qwen2.5-3B-Instruct", "gpt2", "runs", models.EMBEDDED):
+        assert not models.missing_path(name), name
 
 
 @pytest.mark.parametrize("backend", ["hf", "vllm"])  # vllm: only the tokenizer is loaded here (vllm_sampler loads the rest)
