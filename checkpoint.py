@@ -156,8 +156,24 @@ def parse_row(line: str) -> dict | None:
 
 
 def read_rows(path: Path) -> list[dict]:
-    """The rows of a metrics.jsonl (none if it does not exist), without a last line cut short by a crash."""
-    return [r for r in map(parse_row, path.read_text().splitlines()) if r] if path.exists() else []
+    """The rows of a metrics.jsonl (none if it does not exist), without a last line cut short by a crash. Any other
+    line that is not a row (an edit, a damaged copy) stops in one line instead of being dropped unseen."""
+    if not path.exists():
+        return []
+    try:
+        lines = path.read_text().splitlines()
+    except (OSError, UnicodeDecodeError) as err:  # a directory in its place, a damaged copy
+        raise CheckpointError(f"{path} cannot be read ({str(err).splitlines()[0][:120]}): copy it again") from None
+    rows = []
+    for number, line in enumerate(lines, 1):
+        row = parse_row(line)
+        if row is None and number == len(lines) or not line.strip():
+            continue
+        if not isinstance(row, dict) or not {"step", "elapsed_s"} <= row.keys():
+            raise CheckpointError(f"{path}, line {number}, is not a metrics row (JSON with at least step and elapsed_s): "
+                                  f"mend or delete that line")
+        rows.append(row)
+    return rows
 
 
 def drop_rows_after(path: Path, step: int) -> None:

@@ -348,7 +348,7 @@ def plot_training(run_dirs: list[Path], out: Path, smooth: int = 5) -> str:
             ax.plot(minutes, trailing_mean(values, smooth), label=label, linewidth=1.5, color=color)
             ax.plot(minutes, values, color=color, alpha=0.25, linewidth=0.8)
         tenth = max(1, len(rows) // 10)
-        first, last = (float(np.mean([r["accuracy"] for r in part])) for part in (rows[:tenth], rows[-tenth:]))
+        first, last = (float(np.mean([r.get("accuracy", np.nan) for r in part])) for part in (rows[:tenth], rows[-tenth:]))
         lines.append(f"{label:<36}{len(rows):>7}{minutes[-1]:>9.1f}{60 * minutes[-1] / len(rows):>8.1f}{f'{first:.3f} -> {last:.3f}':>30}")
     axes[0].legend(fontsize=8)
     fig.tight_layout()

@@ -587,6 +587,16 @@ def test_plot_train_draws_a_runs_training_curves_from_its_metrics_alone(tiny_run
     (tmp_path / "empty").mkdir()
     assert evaluation.main(["--plot-train", str(tmp_path / "empty"), "--out", str(png)]) == 2
     assert "has no metrics.jsonl rows" in capsys.readouterr().err
+    (tmp_path / "empty" / "metrics.jsonl").mkdir()  # a directory in its place: was IsADirectoryError's traceback
+    assert evaluation.main(["--plot-train", str(tmp_path / "empty"), "--out", str(png)]) == 2
+    assert capsys.readouterr().err.startswith(f"error: {tmp_path / 'empty' / 'metrics.jsonl'} cannot be read (")
+    edited = tmp_path / "edited"
+    edited.mkdir()
+    lines = (tiny_run / "metrics.jsonl").read_text().splitlines()
+    (edited / "metrics.jsonl").write_text(json.dumps({"accuracy": 0.5}) + "\n" + "\n".join(lines) + "\n")  # a row without step: was KeyError
+    assert evaluation.main(["--plot-train", str(edited), "--out", str(png)]) == 2
+    assert capsys.readouterr().err == (f"error: {edited / 'metrics.jsonl'}, line 1, is not a metrics row (JSON with at least step and "
+                                       f"elapsed_s): mend or delete that line\n")
 
 
 def test_plot_train_shows_the_share_of_uniform_groups_and_leaves_out_runs_that_did_not_log_it(tiny_run, tmp_path, monkeypatch):

@@ -660,6 +660,20 @@ def test_benchmark_under_torchrun_exits_2_with_one_line(monkeypatch, capsys):
     assert capsys.readouterr().err == "error: benchmark.py times one process; run it with python, not torchrun\n"
 
 
+def test_metrics_rows_skip_a_last_line_cut_short_but_refuse_any_other_line_that_is_not_a_row(tmp_path):
+    """A crash can cut only the last line short; a bad line before it (an edit, a damaged copy) was dropped unseen, and
+    --resume then rewrote the file without it. Blank lines are left out."""
+    path = tmp_path / "metrics.jsonl"
+    rows = [{"step": 1, "elapsed_s": 1.0}, {"step": 2, "elapsed_s": 2.0}]
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows) + "\n" + '{"step": 3, "ela')
+    assert checkpoint.read_rows(path) == rows
+    for bad in ("garbage", "[1, 2]", '{"step": 2}'):
+        path.write_text(json.dumps(rows[0]) + "\n" + bad + "\n" + json.dumps(rows[1]) + "\n")
+        with pytest.raises(checkpoint.CheckpointError, match=r"metrics.jsonl, line 2, is not a metrics row"):
+            checkpoint.drop_rows_after(path, 1)
+        assert path.read_text().count("\n") == 3  # left as it was
+
+
 @pytest.mark.parametrize("flag", [["--m", "8"], ["--steps=3"], ["--uniform-groups", "skip"], ["--time-budget", "bogus"]])
 def test_benchmark_refuses_train_flags_it_would_ignore_in_one_line(flag, capsys):
     """benchmark.py reads train.py's flags, but --m, --steps, --uniform-groups and the like were ignored without a word
