@@ -106,6 +106,8 @@ def resolve(args, device: str, world_size: int = 1):
         raise UsageError(f"--m {args.m} must be <= --n {args.n}: PODS keeps m of the n rollouts it generates")
     if args.m < 2:
         raise UsageError(f"--m {args.m} must be >= 2: the advantage divides by the std of the kept rewards")
+    if args.m == args.n and args.rule != "none":  # e.g. --n 16 alone, with --m's default of 16
+        log.info("--m %d equals --n: every rollout is kept, so each step is vanilla GRPO's; pass a smaller --m for PODS", args.m)
     if args.uniform_groups not in UNIFORM_GROUPS:
         raise UsageError(f"unknown --uniform-groups {args.uniform_groups!r}; choose one of {', '.join(UNIFORM_GROUPS)}")
     if args.backend not in ("auto", "vllm", "hf"):

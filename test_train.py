@@ -457,6 +457,15 @@ def test_resolve_on_a_gpu_gives_the_authors_single_gpu_configuration():
     assert cpu.bf16_autocast is models.computes_bfloat16("cpu") and cpu.merged_sampler  # float32 where bfloat16 is emulated
 
 
+def test_m_equal_to_n_says_the_run_is_vanilla_grpo(caplog):
+    """`--n 16` alone keeps --m's default of 16: all n, GRPO under PODS's name. The log says so, once."""
+    with caplog.at_level(logging.INFO, logger="pods"):
+        config.resolve(train.Args(n=16), "cpu")
+        config.resolve(train.Args(n=16, rule="none"), "cpu")  # asked for: no notice
+        config.resolve(train.Args(n=32), "cpu")
+    assert caplog.text.count("--m 16 equals --n: every rollout is kept, so each step is vanilla GRPO's") == 1
+
+
 def test_gpu_profile_dress_rehearsal_on_a_cpu_trains_saves_and_resumes(tiny_model_dir, tmp_path, monkeypatch, length_rewards):
     """train.py's real start-up and steps with every value of the GPU profile (bfloat16 base weights,
     activation checkpointing through load_trainable_policy, no autocast, micro-batch 4, one prompt
