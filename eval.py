@@ -108,7 +108,7 @@ def find_targets(path: str) -> tuple[str, list[Target], Path | None]:
     p = Path(path)
     if (p / "adapter_config.json").exists():
         return base_model_of(p), [target_of(p)], None
-    if p.is_dir() and (p / "config.json").exists() and json.loads((p / "config.json").read_text()).get("model_resolved"):
+    if p.is_dir() and (p / "config.json").exists() and "model_resolved" in plot.read_json(p / "config.json", "copy the run (or model) again"):
         found = checkpoint.find(p, needs=("adapter_model.safetensors", "adapter_config.json", "trainer_state.json"))
         if not found:
             raise EvalError(f"{p} has no checkpoint-STEP directories yet; train first or wait for the first save")

@@ -349,9 +349,8 @@ def test_torchrun_refill_trains_on_the_rows_of_one_process_and_ends_with_its_ada
         updates.mkdir()
         env = os.environ | {"INFORMATIVE_PROMPTS": str(tmp_path / "informative.json"), "UPDATES_DIR": str(updates)}
         argv = tiny_args(tiny_model_dir, out, *flags)
-        command = ([sys.executable, str(driver), *argv] if processes == 1 else
-                   [str(Path(sys.executable).with_name("torchrun")), "--standalone", "--nproc_per_node", "2", str(driver), "--", *argv])
-        done = subprocess.run(command, cwd=Path(__file__).parent, capture_output=True, text=True, timeout=300, env=env)
+        done = (subprocess.run([sys.executable, str(driver), *argv], cwd=Path(__file__).parent, capture_output=True, text=True,
+                               timeout=300, env=env) if processes == 1 else torchrun(2, *argv, script=str(driver), env=env))
         assert done.returncode == 0, done.stderr[-3000:]
         ranks = [[json.loads(line) for line in (updates / f"rank{r}").read_text().splitlines()] for r in range(processes)]
         runs[processes] = {"metrics": read_metrics(out), "updates": ranks,
@@ -416,10 +415,7 @@ def test_a_rank_killed_mid_step_under_torchrun_max_restarts_resumes_and_ends_as_
     driver.write_text(ELASTIC_DRIVER)
     out, straight = tmp_path / "run", tmp_path / "straight"
     argv = tiny_args(tiny_model_dir, out, "--steps", "4", "--prompts-per-step", "4", "--save-every-steps", "1", "--resume", "auto")
-    command = [str(Path(sys.executable).with_name("torchrun")), "--standalone", "--nproc_per_node", "2", "--max-restarts", "1",
-               str(driver), "--", *argv]
-    done = subprocess.run(command, cwd=Path(__file__).parent, capture_output=True, text=True, timeout=300,
-                          env=os.environ | {"FAULT_DIR": str(tmp_path)})
+    done = torchrun(2, *argv, script=str(driver), launcher_flags=("--max-restarts", "1"), env=os.environ | {"FAULT_DIR": str(tmp_path)})
     assert done.returncode == 0, done.stderr[-3000:]
     assert "resumed from" in done.stderr and "checkpoint-2" in done.stderr
     rows = read_metrics(out)

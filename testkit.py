@@ -2,11 +2,13 @@
 
 from __future__ import annotations
 
+import atexit
 import json
 import random
 import shutil
 import subprocess
 import sys
+import tempfile
 from pathlib import Path
 
 import pytest
@@ -69,13 +71,19 @@ def mixed_length_groups() -> list[sampling.Rollout]:
     return rollouts
 
 
-def torchrun(nproc: int, *train_argv: str, script: str = "train.py", wait: bool = True):
-    """The command form of docs/multi-gpu.md: torchrun --standalone --nproc_per_node N train.py -- ARGS."""
-    command = [str(Path(sys.executable).with_name("torchrun")), "--standalone", "--nproc_per_node", str(nproc),
-               script, "--", *train_argv]
+TORCHRUN_LOGS = tempfile.mkdtemp(prefix="pods-test-torchrun-")  # torchrun leaves a /tmp/torchelastic_* per launch otherwise
+atexit.register(shutil.rmtree, TORCHRUN_LOGS, True)
+
+
+def torchrun(nproc: int, *train_argv: str, script: str = "train.py", wait: bool = True, launcher_flags: tuple[str, ...] = (),
+             env: dict | None = None):
+    """The command form of docs/multi-gpu.md: torchrun --standalone --nproc_per_node N train.py -- ARGS (its empty
+    log directories kept in one place that is removed when the tests end)."""
+    command = [str(Path(sys.executable).with_name("torchrun")), "--standalone", "--nproc_per_node", str(nproc), *launcher_flags,
+               "--log-dir", TORCHRUN_LOGS, script, "--", *train_argv]
     if not wait:
-        return subprocess.Popen(command, cwd=Path(__file__).parent, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-    return subprocess.run(command, cwd=Path(__file__).parent, capture_output=True, text=True, timeout=300)
+        return subprocess.Popen(command, cwd=Path(__file__).parent, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
+    return subprocess.run(command, cwd=Path(__file__).parent, capture_output=True, text=True, timeout=300, env=env)
 
 
 def length_reward_script(tmp_path: Path) -> str:
