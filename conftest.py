@@ -23,7 +23,7 @@ import torch
 import eval as evaluation  # eval.py; `eval` is a builtin name
 import model as models
 import rewards
-from testkit import length_reward
+from testkit import length_reward, tiny_llama
 
 unexpected_skips: list[str] = []
 
@@ -75,17 +75,7 @@ def embedded_dir() -> Path:
 @pytest.fixture(scope="session")
 def tiny_model_dir(tmp_path_factory, embedded_dir) -> Path:
     """A randomly initialised 2-layer Llama with the embedded model's tokenizer: fast plumbing."""
-    from transformers import AutoTokenizer, LlamaConfig, LlamaForCausalLM
-
-    tokenizer = AutoTokenizer.from_pretrained(embedded_dir)
-    torch.manual_seed(0)
-    config = LlamaConfig(vocab_size=len(tokenizer), hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-                         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=1024,
-                         tie_word_embeddings=True, bos_token_id=1, eos_token_id=2, pad_token_id=2)
-    path = tmp_path_factory.mktemp("tiny")
-    LlamaForCausalLM(config).save_pretrained(path)
-    tokenizer.save_pretrained(path)
-    return path
+    return tiny_llama(embedded_dir, tmp_path_factory.mktemp("tiny"), hidden_size=64, heads=4, kv_heads=2)
 
 
 @pytest.fixture

@@ -22,7 +22,7 @@ import sampling
 import train
 import update
 import vllm_sampler
-from testkit import engines_adapter_dirs_are_gone, in_hub_cache, length_reward_script, lora_policy, read_metrics, tiny_args, torchrun, vllm_build
+from testkit import engines_adapter_dirs_are_gone, in_hub_cache, length_reward_script, lora_policy, read_metrics, tiny_args, tiny_llama, torchrun, vllm_build
 
 
 def test_vllm_flags_are_checked(tmp_path, capsys):
@@ -244,16 +244,7 @@ def test_vllm_trains_and_evaluates_a_hub_model_from_the_local_cache_when_the_hub
 
 def head64_model(embedded_dir: Path, tmp_path: Path) -> Path:
     """A tiny random Llama with the embedded model's tokenizer and a head size vLLM's CPU attention takes (32, 64, 128, ...)."""
-    from transformers import AutoTokenizer, LlamaConfig, LlamaForCausalLM
-
-    model_dir = tmp_path / "tiny-head64"
-    tokenizer = AutoTokenizer.from_pretrained(embedded_dir)
-    config = LlamaConfig(vocab_size=len(tokenizer), hidden_size=128, intermediate_size=256, num_hidden_layers=2,
-                         num_attention_heads=2, num_key_value_heads=1, max_position_embeddings=1024,
-                         tie_word_embeddings=True, bos_token_id=1, eos_token_id=2, pad_token_id=2)
-    LlamaForCausalLM(config).save_pretrained(model_dir)
-    tokenizer.save_pretrained(model_dir)
-    return model_dir
+    return tiny_llama(embedded_dir, tmp_path / "tiny-head64", hidden_size=128, heads=2, kv_heads=1)
 
 
 @pytest.mark.vllm

@@ -75,6 +75,20 @@ TORCHRUN_LOGS = tempfile.mkdtemp(prefix="pods-test-torchrun-")  # torchrun leave
 atexit.register(shutil.rmtree, TORCHRUN_LOGS, True)
 
 
+def tiny_llama(tokenizer_dir: Path, path: Path, hidden_size: int, heads: int, kv_heads: int) -> Path:
+    """A randomly initialised 2-layer Llama at `path` with the tokenizer of `tokenizer_dir` (the embedded model's)."""
+    from transformers import AutoTokenizer, LlamaConfig, LlamaForCausalLM
+
+    tokenizer = AutoTokenizer.from_pretrained(tokenizer_dir)
+    torch.manual_seed(0)
+    config = LlamaConfig(vocab_size=len(tokenizer), hidden_size=hidden_size, intermediate_size=2 * hidden_size, num_hidden_layers=2,
+                         num_attention_heads=heads, num_key_value_heads=kv_heads, max_position_embeddings=1024,
+                         tie_word_embeddings=True, bos_token_id=1, eos_token_id=2, pad_token_id=2)
+    LlamaForCausalLM(config).save_pretrained(path)
+    tokenizer.save_pretrained(path)
+    return path
+
+
 def torchrun(nproc: int, *train_argv: str, script: str = "train.py", wait: bool = True, launcher_flags: tuple[str, ...] = (),
              env: dict | None = None):
     """The command form of docs/multi-gpu.md: torchrun --standalone --nproc_per_node N train.py -- ARGS (its empty
