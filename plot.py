@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import json
 import math
+import os
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -237,9 +238,19 @@ def compare(run_dirs: list[Path], results_file: str | None, baseline: str | None
 # ----------------------------------------------------------------------------- figures and the speed-up table
 
 
+def make_parent(out: Path) -> None:
+    """--out's directory, made before any work, so that a path under a file or without permission costs nothing."""
+    try:
+        out.parent.mkdir(parents=True, exist_ok=True)
+    except OSError as err:  # FileExistsError, NotADirectoryError: a file on the way
+        raise PlotError(f"--out {out}: cannot make its directory ({err.strerror}); choose another --out") from None
+    if not os.access(out.parent, os.W_OK | os.X_OK):
+        raise PlotError(f"--out {out}: its directory is not writable; choose another --out")
+
+
 def check_figure_path(out: Path) -> None:
     """Refuse, before any work, a figure path matplotlib would not write as given: a directory, no extension
-    (it would add ".png"), or a format it does not know."""
+    (it would add ".png"), or a format it does not know; and make its directory."""
     import matplotlib.figure
 
     formats = set(matplotlib.figure.Figure().canvas.get_supported_filetypes()) - {"pgf"}  # pgf needs a LaTeX install
@@ -247,6 +258,7 @@ def check_figure_path(out: Path) -> None:
         raise PlotError(f"--out {out} is a directory; name the figure, e.g. {out / 'figure.png'}")
     if out.suffix[1:].lower() not in formats:
         raise PlotError(f"--out {out}: name a figure ending in .png, .pdf or .svg (matplotlib writes {', '.join(sorted(formats))})")
+    make_parent(out)
 
 
 def draw(comparison: Comparison, out: Path, frac: float = TARGET_FRAC, xlabel: str = "training time (minutes)") -> None:

@@ -599,6 +599,17 @@ def test_plot_train_draws_a_runs_training_curves_from_its_metrics_alone(tiny_run
                                        f"elapsed_s): mend or delete that line\n")
 
 
+def test_an_out_path_under_a_file_stops_in_one_line_before_any_work(tiny_run, tmp_path, capsys, monkeypatch):
+    """eval.py RUN --out A_FILE/r.json evaluated every checkpoint, then ended in FileExistsError's traceback while saving:
+    the evaluation was lost. Now --out's directory is made first, for the figures too."""
+    blocker = tmp_path / "afile"
+    blocker.write_text("")
+    monkeypatch.setattr(evaluation, "evaluate_target", lambda *args, **kwargs: pytest.fail("evaluated"))
+    for argv, name in (([str(tiny_run)], "r.json"), (["--plot-train", str(tiny_run)], "x.png"), (["--plot", str(tiny_run)], "x.png")):
+        assert evaluation.main([*argv, "--out", str(blocker / name)]) == 2
+        assert capsys.readouterr().err == f"error: --out {blocker / name}: cannot make its directory (File exists); choose another --out\n"
+
+
 def test_plot_train_shows_the_share_of_uniform_groups_and_leaves_out_runs_that_did_not_log_it(tiny_run, tmp_path, monkeypatch):
     """uniform_share (--uniform-groups, logged in every mode) has its panel; a run from before it was logged is drawn in
     the other panels only, in its own colour in each."""
