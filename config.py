@@ -11,6 +11,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import logging
+import math
 import os
 
 import torch
@@ -94,6 +95,9 @@ def resolve(args, device: str, world_size: int = 1):
     if args.dataset == "auto":  # the paper's task on a GPU; offline on a CPU, the task the embedded model can learn
         filled["dataset"] = data.GSM8K if device == "cuda" else data.ARITH
     args = dataclasses.replace(args, **filled)
+    for name, value in vars(args).items():  # NaN would pass every check below, and inf is no rate or size
+        if isinstance(value, float) and not math.isfinite(value):
+            raise UsageError(f"--{name.replace('_', '-')} {value} must be a finite number")
     if args.rule not in RULES:
         raise UsageError(f"unknown --rule {args.rule!r}; choose one of {', '.join(RULES)}")
     if args.n < 2:

@@ -458,8 +458,8 @@ def main(argv: list[str] | None = None) -> int:
         for name in ("samples", "repeats", "max_new_tokens"):
             if getattr(args, name) < 1:
                 raise EvalError(f"--{name.replace('_', '-')} {getattr(args, name)} must be >= 1")
-        if args.temperature <= 0:
-            raise EvalError(f"--temperature {args.temperature} must be > 0: repeats measure sampling variation")
+        if not 0 < args.temperature < math.inf:  # (NaN too)
+            raise EvalError(f"--temperature {args.temperature} must be a number > 0: repeats measure sampling variation")
         vllm_sampler.check_vllm_memory_flags(args.gpu_memory_utilization, args.vllm_kv_cache_gb)
         settings = Settings(dataset, parse_limit(args.limit, dataset), args.samples, args.repeats, args.temperature,
                             args.max_new_tokens, args.seed, precision=generation_precision(args.backend))

@@ -385,6 +385,15 @@ def test_plot_prints_the_target_beside_the_times_and_the_speedup_for_each_target
     assert lines[2] == f"{'PODS max_variance n=16 m=8':<36}{'2.0 min':>24}{'1.50x':>10}"
 
 
+@pytest.mark.parametrize("argv, message", [(["--temperature", "nan"], "--temperature nan must be a number > 0"),
+                                           (["--temperature", "inf"], "--temperature inf must be a number > 0"),
+                                           (["--vllm-kv-cache-gb", "nan"], "--vllm-kv-cache-gb nan must be > 0")])
+def test_eval_refuses_a_temperature_or_cache_size_that_is_not_a_number_in_one_line(argv, message, tiny_run, capsys):
+    """--temperature nan passed the check `<= 0` and wrote results with temperature NaN."""
+    assert evaluation.main([str(tiny_run), *argv]) == 2
+    assert capsys.readouterr().err.startswith(f"error: {message}")
+
+
 @pytest.mark.parametrize("frac", ["0", "-0.5", "1.01", "nan"])
 def test_plot_rejects_a_target_frac_outside_0_to_1_in_one_line(frac, tmp_path, capsys):
     assert evaluation.main(["--plot", str(tmp_path / "a"), str(tmp_path / "b"), "--target-frac", frac]) == 2

@@ -272,7 +272,7 @@ def test_ctrl_c_that_kills_the_generation_engine_saves_the_last_finished_step(ti
         (["--rule", "best"], "unknown --rule 'best'"),
         (["--dataset", "/nonexistent/train.jsonl"], "dataset file /nonexistent/train.jsonl does not exist"),
         (["--dataset", "/"], "dataset file / is a directory, not a file"),
-        (["--model", "/nonexistent/model", "--dataset", "arith"], "could not load model '/nonexistent/model'"),
+        (["--model", "/nonexistent/model", "--dataset", "arith"], "/nonexistent/model does not exist: give a local model directory"),
         (["--resume", "--dataset", "arith"], "--resume: no checkpoint-STEP directory in"),
         (["--temperature", "0"], "--temperature 0.0 must be > 0"),
         (["--gen-batch", "0"], "--gen-batch 0 must be >= 1"),
@@ -292,6 +292,10 @@ def test_ctrl_c_that_kills_the_generation_engine_saves_the_last_finished_step(ti
         (["--time-budget", "-5"], "--time-budget -5.0 must be >= 0"),
         (["--save-every-steps", "-1"], "--save-every-steps -1 must be >= 0"),
         (["--save-every-minutes", "-1"], "--save-every-minutes -1.0 must be >= 0"),
+        (["--temperature", "nan"], "--temperature nan must be a finite number"),  # NaN passed every check: each update skipped, exit 0
+        (["--lr", "inf"], "--lr inf must be a finite number"),
+        (["--time-budget", "nan"], "--time-budget nan must be a finite number"),
+        (["--vllm-kv-cache-gb", "nan"], "--vllm-kv-cache-gb nan must be a finite number"),
     ],
 )
 def test_bad_input_exits_2_with_one_line(argv, message, tmp_path, capsys):

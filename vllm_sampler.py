@@ -334,5 +334,5 @@ def check_vllm_memory_flags(gpu_memory_utilization: float, kv_cache_gb: float | 
     """--gpu-memory-utilization and --vllm-kv-cache-gb, as train.py and eval.py take them."""
     if not 0 < gpu_memory_utilization <= 1:
         raise SetupError(f"--gpu-memory-utilization {gpu_memory_utilization} must be in (0, 1]")
-    if kv_cache_gb is not None and kv_cache_gb <= 0:
+    if kv_cache_gb is not None and not 0 < kv_cache_gb < math.inf:  # (NaN too)
         raise SetupError(f"--vllm-kv-cache-gb {kv_cache_gb} must be > 0 (leave it out to size the cache from --gpu-memory-utilization)")
