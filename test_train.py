@@ -244,6 +244,22 @@ def test_ctrl_c_or_sigterm_finishes_the_step_saves_and_exits_130(tiny_model_dir,
     assert signal.getsignal(signum) == before  # restored
 
 
+def test_ctrl_c_in_the_last_step_ends_the_run_as_done_not_interrupted(tiny_model_dir, tmp_path, monkeypatch, caplog, capsys, length_rewards):
+    """The last step finished and was saved, but the run said 'interrupted' and exited 130; --resume then had nothing to do."""
+    original = train.policy_update
+
+    def interrupted_update(*args, **kwargs):
+        os.kill(os.getpid(), signal.SIGINT)  # arrives during the last step's update
+        return original(*args, **kwargs)
+
+    monkeypatch.setattr(train, "policy_update", interrupted_update)
+    out = tmp_path / "run"
+    with caplog.at_level(logging.INFO, logger="pods"):
+        assert train.main(tiny_args(tiny_model_dir, out, "--steps", "1")) == 0
+    assert "done: metrics in" in caplog.text and "interrupted" not in capsys.readouterr().err
+    assert [r["step"] for r in read_metrics(out)] == [1] and checkpoint.find(out)[-1].name == "checkpoint-1"
+
+
 def test_ctrl_c_that_kills_the_generation_engine_saves_the_last_finished_step(tiny_model_dir, tmp_path, monkeypatch, length_rewards):
     """vLLM's engine process also gets the Ctrl-C and may die mid-generation: the run still saves
     a checkpoint of the last finished step, with the data position of that step."""

@@ -182,7 +182,7 @@ def train_loop(args, model, tokenizer, optimizer, scheduler, sampler, stream, st
         for sig, handler in previous_handlers.items():  # only now: a Ctrl-C during the last save is still a first one
             signal.signal(sig, handler)
         bar.close()
-    if stop["requested"]:
+    if stop["requested"] and state["step"] < args.steps:  # a Ctrl-C in the last step: the run is done, not interrupted
         raise KeyboardInterrupt
 
 
