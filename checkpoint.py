@@ -203,6 +203,8 @@ def write_atomic(path: Path, text: str) -> None:
 RESUME_MUST_MATCH = ("model", "dataset", "n", "m", "rule", "uniform_groups", "lora_rank", "lora_alpha", "prompts_per_step", "max_prompt_tokens",
                      "seed")
 OPTIMIZER_SETTINGS = ("lr", "adam_beta1", "adam_beta2", "weight_decay")  # saved in the optimizer's state; --resume takes the command's
+RETUNABLE = (*OPTIMIZER_SETTINGS, "max_grad_norm", "warmup_ratio", "temperature", "max_new_tokens", "beta", "clip_eps", "clip_eps_high",
+             "tis_cap")  # --resume may change these (a warning says so): the same adapter and data, another objective or sampling
 
 
 def check_resume_config(out_dir: Path, args, world_size: int = 1) -> None:
@@ -233,14 +235,27 @@ def check_resume_config(out_dir: Path, args, world_size: int = 1) -> None:
         now = " ".join(config.flag_text(k, getattr(args, k)) for k in switched)
         log.warning("--resume: %s trained with %s and continues with %s (this device's defaults or your flags): "
                     "the steps from here compute in another precision; pass %s to keep the run's own", out_dir, was, now, was)
-    retuned = [change(k) for k in differing(OPTIMIZER_SETTINGS)]
+    retuned = [change(k) for k in differing(RETUNABLE)]
     if retuned:  # allowed (e.g. a lower --lr after non-finite updates), but not silently: a flag left out takes the default
-        log.warning("--resume: %s continues with other optimizer settings (%s); pass the run's own to keep them",
-                    out_dir, ", ".join(retuned))
+        log.warning("--resume: %s continues with other settings (%s); pass the run's own to keep them (config.json keeps the "
+                    "old ones under changed_on_resume)", out_dir, ", ".join(retuned))
     trained_with = saved.get("world_size", 1)
     if trained_with != world_size:
         raise config.UsageError(f"--resume with {world_size} process(es), but {out_dir} was trained with {trained_with}: "
                          f"each rank's random state is saved per rank; launch {trained_with} (torchrun --nproc_per_node) to continue it")
+
+
+def write_config(out_dir: Path, settings: dict, resumed_step: int | None = None) -> None:
+    """The run's config.json: `settings`, and for a run resumed at `resumed_step` the history of the RETUNABLE settings
+    it changed, a list under changed_on_resume of {"step": resumed_step, setting: [old, new], ...}, so that the run's
+    record keeps the settings its early steps trained with (eval.py and --plot read the latest)."""
+    path = out_dir / "config.json"
+    old = json.loads(path.read_text()) if path.exists() and resumed_step is not None else {}
+    history = old.pop("changed_on_resume", [])
+    changed = {k: [old[k], settings[k]] for k in RETUNABLE if k in old and old[k] != settings[k]}
+    if changed:
+        history.append({"step": resumed_step, **changed})
+    write_atomic(path, json.dumps(settings | ({"changed_on_resume": history} if history else {}), indent=2))
 
 
 def make_out_dir(out_dir: Path) -> None:

@@ -96,13 +96,15 @@ def test_resume_takes_the_commands_learning_rate_and_says_it_changed(tiny_model_
     args = tiny_args(tiny_model_dir, out, "--steps", "4", *warmup, "--resume")
     assert train.main(args) == 0  # the run's own --lr 1e-2: as before
     assert [r["lr"] for r in read_metrics(out)] == first
-    assert "other optimizer settings" not in caplog.text
+    assert "continues with other settings" not in caplog.text
     shutil.rmtree(out / "checkpoint-4")  # (the resumed run saved only at its end)
-    lower = [*args[:args.index("--lr")], "--lr", "1e-3", "--weight-decay", "0.05", *args[args.index("--lr") + 2:]]
+    lower = [*args[:args.index("--lr")], "--lr", "1e-3", "--weight-decay", "0.05", "--temperature", "0.7", *args[args.index("--lr") + 2:]]
     assert train.main(lower) == 0
     assert [r["lr"] for r in read_metrics(out)] == pytest.approx([5e-3, 1e-2, 1e-3, 1e-3])
-    warning = [r.getMessage() for r in caplog.records if "other optimizer settings" in r.getMessage()]
-    assert len(warning) == 1 and "--lr 0.01 -> 0.001, --weight-decay 0.1 -> 0.05" in warning[0]
+    warning = [r.getMessage() for r in caplog.records if "continues with other settings" in r.getMessage()]
+    assert len(warning) == 1 and "--lr 0.01 -> 0.001, --weight-decay 0.1 -> 0.05, --temperature 0.9 -> 0.7" in warning[0]
+    history = json.loads((out / "config.json").read_text())["changed_on_resume"]  # the settings of steps 1-2 stay on record
+    assert history == [{"step": 2, "lr": [1e-2, 1e-3], "weight_decay": [0.1, 0.05], "temperature": [0.9, 0.7]}]
     saved = torch.load(out / "checkpoint-4" / "training_state.pt", weights_only=False)["optimizer"]["param_groups"][0]
     assert saved["initial_lr"] == 1e-3 and saved["weight_decay"] == 0.05
 
@@ -360,7 +362,7 @@ def test_a_hub_model_with_the_hub_unreachable_is_looked_up_in_the_local_cache_on
     (sharded / "model.safetensors").rename(sharded / "model-00001-of-00002.safetensors")  # the second shard never arrived
     (sharded / "model.safetensors.index.json").write_text(json.dumps({"weight_map": {
         "a": "model-00001-of-00002.safetensors", "b": "model-00002-of-00002.safetensors"}}))
-    for name in ("pods-test/absent", "pods-test/no-weights", "pods-test/sharded", "/no/such/model"):
+    for name in ("pods-test/absent", "pods-test/no-weights", "pods-test/sharded"):  # (a missing local path: model.missing_path)
         with pytest.raises(models.SetupError) as err:
             models.local_model_path(name)
         assert str(err.value) == (f"could not load model {name!r} (huggingface.co unreachable: test, and its weights are not "

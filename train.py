@@ -28,7 +28,6 @@ GPU and the CPU profile (sized for the embedded model) otherwise; config.json re
 from __future__ import annotations
 
 import dataclasses
-import json
 import logging
 import math
 import os
@@ -328,7 +327,7 @@ def train(args: Args, world: distributed.World = distributed.World()) -> Path:
         if world.is_main:
             run_config = dataclasses.asdict(args) | {"model_resolved": model_name, "device": device, "torch": torch.__version__,
                                                      "world_size": world.size}
-            checkpoint.write_atomic(out_dir / "config.json", json.dumps(run_config, indent=2))
+            checkpoint.write_config(out_dir, run_config, state["step"] if resuming else None)
 
         stream = data.PromptStream(examples, lambda question: sampling.build_prompt(tokenizer, question), args.max_prompt_tokens,
                                    args.seed, state["data_position"])
