@@ -295,11 +295,14 @@ def speedup_table(comparison: Comparison, frac: float = TARGET_FRAC) -> list[str
     lines = [f"baseline {comparison.baseline}: peak {peak:.3f}, target {frac:g} x peak = {frac * peak:.3f}, "
              f"first reached at {t_base / 60:.1f} min",
              f"{'run':<36}{'time to target':>24}{'speed-up':>10}"]
+    if t_base == 0:  # the untrained model already scores the target: there is no time to shorten
+        lines.insert(1, "(the baseline is at its target before training: no speed-up can be measured; "
+                        "train longer, or lower --target-frac)")
     for label, t in others.items():
         if t is None:
             lines.append(f"{label:<36}{'never reached':>24}{'-':>10}")
         else:
-            speed = f"{t_base / t:.2f}x" if t > 0 else "at start"
+            speed = "-" if t_base == 0 else f"{t_base / t:.2f}x" if t > 0 else "at start"
             lines.append(f"{label:<36}{t / 60:>20.1f} min{speed:>10}")
     return lines
 

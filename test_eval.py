@@ -370,6 +370,16 @@ def test_speedup_a_spike_more_than_1_percent_above_the_rest_still_decides_at_0_9
     assert plot.speedups(curves, "GRPO n=8", frac=0.5) == (0.9, 0, {"PODS max_variance n=16 m=8": 0})  # at the start
 
 
+def test_plot_measures_no_speedup_against_a_baseline_at_its_target_before_training(tmp_path, capsys):
+    """A GRPO run that never rose above its base model: 'first reached at 0.0 min', and PODS was printed 'at start'."""
+    grpo_run = fake_run(tmp_path, "grpo", "none", 8, 8, [(0, 0.0), (60, 0.0), (120, 0.0)])
+    pods_run = fake_run(tmp_path, "pods", "max_variance", 16, 8, [(0, 0.0), (60, 0.1), (120, 0.2)])
+    assert evaluation.main(["--plot", str(grpo_run), str(pods_run), "--out", str(tmp_path / "f.png")]) == 0
+    lines = capsys.readouterr().out.splitlines()[2:]
+    assert lines[1].startswith("(the baseline is at its target before training: no speed-up can be measured")
+    assert lines[3] == f"{'PODS max_variance n=16 m=8':<36}{'0.0 min':>24}{'-':>10}"
+
+
 def test_plot_prints_the_target_beside_the_times_and_the_speedup_for_each_target_frac(tmp_path, capsys):
     grpo_run = fake_run(tmp_path, "grpo", "none", 8, 8, [(0, 0.2), (60, 0.7), (120, 0.795), (180, 0.80), (240, 0.78)])
     pods_run = fake_run(tmp_path, "pods", "max_variance", 16, 8, [(0, 0.2), (60, 0.795), (120, 0.81), (240, 0.81)])
