@@ -309,10 +309,13 @@ UNUSED = {  # train.py's flags that have no meaning for one timed step: refused,
     **dict.fromkeys(("uniform_groups", "max_refill_rounds"), "benchmark.py times --uniform-groups keep against skip itself"),
 }
 
+HELPS = {"out_dir": "with --resume: the run whose last checkpoint's adapter is timed (benchmark.py writes nothing)",
+         "resume": "time the adapter of --out-dir's last checkpoint (a trained policy): yes (bare --resume) | auto (if any) | no"}
+
 
 def main(argv: list[str] | None = None) -> int:
     """train.py's flags (config.parse_args over train.Args) but those in UNUSED; a bad one exits 2 with one line, as train.py's do."""
-    args = config.parse_args(train.Args, sys.argv[1:] if argv is None else argv, __doc__.split("\n")[0], UNUSED)
+    args = config.parse_args(train.Args, sys.argv[1:] if argv is None else argv, __doc__.split("\n")[0], UNUSED, HELPS)
     world = distributed.world_from_env()
     if world.launched:  # each rank would time the whole batch on its own, all on one GPU
         progress.say_at_exit("error: benchmark.py times one process; run it with python, not torchrun", world)

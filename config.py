@@ -56,22 +56,23 @@ class UsageError(ValueError):
     """A bad command line; the message says what to change."""
 
 
-def parse_args(args_class, argv: list[str] | None = None, description: str = "", unused: dict[str, str] | None = None):
+def parse_args(args_class, argv: list[str] | None = None, description: str = "", unused: dict[str, str] | None = None,
+               helps: dict[str, str] | None = None):
     """An `args_class` (a dataclass such as train.Args) from the command line: each field a --flag, its
-    metadata["help"] the help text, then its default in brackets; booleans take --flag/--no-flag, --resume alone means yes.
-    `unused` maps fields a tool does not read to the reason: their flags are left out of --help and refused in one
-    line (exit 2) instead of being ignored; the fields keep their defaults."""
+    metadata["help"] (or `helps`' text for it) the help text, then its default in brackets; booleans take
+    --flag/--no-flag, --resume alone means yes. `unused` maps fields a tool does not read to the reason: their flags
+    are left out of --help and refused in one line (exit 2) instead of being ignored; the fields keep their defaults."""
     parser = argparse.ArgumentParser(description=description)
-    unused = unused or {}
+    unused, helps = unused or {}, helps or {}
     for f in dataclasses.fields(args_class):
         flag = "--" + f.name.replace("_", "-")
         if f.name in unused:  # any value, even a bad one, is refused for the flag itself
             parser.add_argument(flag, nargs="?", default=argparse.SUPPRESS, help=argparse.SUPPRESS)
             continue
         shown = ("on" if f.default else "off") if isinstance(f.default, bool) else f.default
-        text = f.metadata["help"] + ("" if f.default is None else f" [{shown}]")  # None: the profile's, in its help
+        text = helps.get(f.name, f.metadata["help"]) + ("" if f.default is None else f" [{shown}]")  # None: the profile's, in its help
         if f.name == "resume":  # --resume alone means yes
-            parser.add_argument(flag, nargs="?", const="yes", default=f.default, choices=RESUME_MODES, help=f.metadata["help"])
+            parser.add_argument(flag, nargs="?", const="yes", default=f.default, choices=RESUME_MODES, help=helps.get(f.name, f.metadata["help"]))
         elif f.type.startswith("bool"):
             parser.add_argument(flag, action=argparse.BooleanOptionalAction, default=f.default, help=text)
         else:

@@ -719,6 +719,7 @@ def test_benchmark_refuses_train_flags_it_would_ignore_in_one_line(flag, capsys)
         benchmark.main(["--help"])
     shown = capsys.readouterr().out
     assert "--n N" in shown and "--m M" not in shown and "--steps" not in shown  # not offered either
+    assert "(benchmark.py writes nothing)" in " ".join(shown.split())  # --out-dir: only read, with --resume
 
 
 def test_benchmark_counts_the_tokens_an_update_reads_with_the_prompt_per_rollout_or_once_per_group():
