@@ -156,23 +156,24 @@ def parse_row(line: str) -> dict | None:
 
 
 def read_rows(path: Path) -> list[dict]:
-    """The rows of a metrics.jsonl (none if it does not exist), without a last line cut short by a crash. Any other
-    line that is not a row (an edit, a damaged copy) stops in one line instead of being dropped unseen."""
+    """The rows of a metrics.jsonl (none if it does not exist). A last line cut short by a crash is left out; any
+    other line that is not a row (a write that failed part-way, an edit) is left out with a warning naming it."""
     if not path.exists():
         return []
     try:
-        lines = path.read_text().splitlines()
+        lines = [(number, line) for number, line in enumerate(path.read_text().splitlines(), 1) if line.strip()]
     except (OSError, UnicodeDecodeError) as err:  # a directory in its place, a damaged copy
         raise CheckpointError(f"{path} cannot be read ({str(err).splitlines()[0][:120]}): copy it again") from None
-    rows = []
-    for number, line in enumerate(lines, 1):
+    rows, bad = [], []
+    for number, line in lines:
         row = parse_row(line)
-        if row is None and number == len(lines) or not line.strip():
-            continue
-        if not isinstance(row, dict) or not {"step", "elapsed_s"} <= row.keys():
-            raise CheckpointError(f"{path}, line {number}, is not a metrics row (JSON with at least step and elapsed_s): "
-                                  f"mend or delete that line")
-        rows.append(row)
+        if isinstance(row, dict) and {"step", "elapsed_s"} <= row.keys():
+            rows.append(row)
+        elif row is not None or number != lines[-1][0]:  # (not the last line cut short by a crash)
+            bad.append(number)
+    if bad:
+        log.warning("%s: left out %d line(s) that are not metrics rows (JSON with step and elapsed_s), first at line %d",
+                    path, len(bad), bad[0])
     return rows
 
 
@@ -252,6 +253,8 @@ def write_config(out_dir: Path, settings: dict, resumed_step: int | None = None)
     path = out_dir / "config.json"
     old = json.loads(path.read_text()) if path.exists() and resumed_step is not None else {}
     history = old.pop("changed_on_resume", [])
+    while history and history[-1]["step"] >= resumed_step:  # resumed before a change: its steps run again, as before it
+        old |= {k: change[0] for k, change in history.pop().items() if k != "step"}
     changed = {k: [old[k], settings[k]] for k in RETUNABLE if k in old and old[k] != settings[k]}
     if changed:
         history.append({"step": resumed_step, **changed})

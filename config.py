@@ -52,6 +52,9 @@ def profile(device: str) -> dict:
     return {**PROFILES["cpu"], **{k: False for k in BFLOAT16_FLAGS}}
 
 
+UNBOUNDED = ("max_grad_norm", "clip_eps", "clip_eps_high", "tis_cap")  # inf: no clipping, no cap on the importance weight
+
+
 class UsageError(ValueError):
     """A bad command line; the message says what to change."""
 
@@ -96,9 +99,9 @@ def resolve(args, device: str, world_size: int = 1):
     if args.dataset == "auto":  # the paper's task on a GPU; offline on a CPU, the task the embedded model can learn
         filled["dataset"] = data.GSM8K if device == "cuda" else data.ARITH
     args = dataclasses.replace(args, **filled)
-    for name, value in vars(args).items():  # NaN would pass every check below, and inf is no rate or size
-        if isinstance(value, float) and not math.isfinite(value):
-            raise UsageError(f"--{name.replace('_', '-')} {value} must be a finite number")
+    for name, value in vars(args).items():  # NaN would pass every check below; inf is a limit left off, no rate or size
+        if isinstance(value, float) and (math.isnan(value) or math.isinf(value) and name not in UNBOUNDED):
+            raise UsageError(f"--{name.replace('_', '-')} {value} must be a {'number' if math.isnan(value) else 'finite number'}")
     if args.rule not in RULES:
         raise UsageError(f"unknown --rule {args.rule!r}; choose one of {', '.join(RULES)}")
     if args.n < 2:

@@ -244,9 +244,10 @@ def evaluate(path: str, settings: Settings, out: str | None, force: bool, backen
     if out is None:  # beside the run, or in the checkpoint, or here for a base model
         out = str((run_dir or targets[0].adapter or Path(".")) / results_name(settings.dataset))
     out_path = Path(out)
-    plot.make_parent(out_path)
     stored = load_results(out_path, settings, force)
     todo = [t for t in targets if not any(is_result_of(r, t, base) for r in stored)]
+    if todo:  # results will be written: a path under a file stops here, not after the evaluation
+        plot.make_parent(out_path)
     done = [r for r in stored if not any(r["checkpoint"] == t.name for t in todo)]  # drops stale results of retrained checkpoints
     log.info("%d to evaluate, %d already in %s", len(todo), len(targets) - len(todo), out_path)
     cache = base_cache_file(base, settings)

@@ -73,12 +73,9 @@ def embedded_model_dir() -> Path:
 
 
 def missing_path(model: str) -> bool:
-    """True when `model` names a local path that does not exist rather than a hub name ("org/name"): it starts with
-    "/", "." or "~", has more than one "/", or its first part is a local directory ("runs/pdos" beside runs/)."""
-    path = Path(model)
-    if path.exists() or model == EMBEDDED:
-        return False
-    return model.startswith(("/", ".", "~")) or model.count("/") > 1 or (model.count("/") == 1 and path.parent.is_dir())
+    """True when `model` can only be a local path, and none exists there: it starts with "/", "." or "~", or has more
+    than one "/" (a hub name is "name" or "org/name")."""
+    return not Path(model).exists() and (model.startswith(("/", ".", "~")) or model.count("/") > 1)
 
 
 def local_model_path(model: str) -> str:
@@ -95,7 +92,8 @@ def local_model_path(model: str) -> str:
         return model
     cached = cached_model_dir(model)
     if cached is None:
-        raise SetupError(f"could not load model {model!r} ({offline}, and its weights are not in the local cache); {NO_HUB_HINT}")
+        local = f"; nor is {model} a local directory, though {Path(model).parent} is" if "/" in model and Path(model).parent.is_dir() else ""
+        raise SetupError(f"could not load model {model!r} ({offline}, and its weights are not in the local cache{local}); {NO_HUB_HINT}")
     return str(cached)
 
 

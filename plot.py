@@ -317,7 +317,10 @@ def plot(run_dirs: list[Path], out: Path, results_file: str | None, baseline: st
 
 def read_metrics(run: Path) -> list[dict]:
     """A run's metrics.jsonl rows (empty when it has none)."""
-    return checkpoint.read_rows(run / "metrics.jsonl")
+    try:
+        return checkpoint.read_rows(run / "metrics.jsonl")
+    except checkpoint.CheckpointError as err:  # (a directory in its place, a damaged copy)
+        raise PlotError(str(err)) from None
 
 
 def trailing_mean(values, window: int) -> np.ndarray:

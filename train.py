@@ -181,7 +181,8 @@ def train_loop(args, model, tokenizer, optimizer, scheduler, sampler, stream, st
         for sig, handler in previous_handlers.items():  # only now: a Ctrl-C during the last save is still a first one
             signal.signal(sig, handler)
         bar.close()
-    if stop["requested"] and state["step"] < args.steps:  # a Ctrl-C in the last step: the run is done, not interrupted
+    budget_spent = args.time_budget and state["elapsed_s"] >= args.time_budget * 60
+    if stop["requested"] and state["step"] < args.steps and not budget_spent:  # a Ctrl-C in the last step: done, not interrupted
         raise KeyboardInterrupt
 
 

@@ -98,7 +98,10 @@ def replay(kept: Path, out_dir: Path) -> Path:
     config_path, metrics_path = kept / "config.json", kept / "metrics.jsonl"
     if not config_path.is_file() or not metrics_path.is_file():
         raise ReplayError(f"{kept} has no config.json and metrics.jsonl: give a recorded run's directory")
-    config, rows = json.loads(config_path.read_text()), checkpoint.read_rows(metrics_path)
+    try:
+        config, rows = json.loads(config_path.read_text()), checkpoint.read_rows(metrics_path)
+    except checkpoint.CheckpointError as err:  # its metrics.jsonl cannot be read
+        raise ReplayError(str(err)) from None
     if not rows or [r["step"] for r in rows] != list(range(1, len(rows) + 1)):
         raise ReplayError(f"{metrics_path} does not hold steps 1..N: it cannot be replayed")
     if config.get("world_size", 1) != 1 or config.get("device") != "cpu":
