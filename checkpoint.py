@@ -208,18 +208,20 @@ RETUNABLE = (*OPTIMIZER_SETTINGS, "max_grad_norm", "warmup_ratio", "temperature"
              "tis_cap")  # --resume may change these (a warning says so): the same adapter and data, another objective or sampling
 
 
-def check_resume_config(out_dir: Path, args, world_size: int = 1) -> None:
+def check_resume_config(out_dir: Path, args, world_size: int = 1, resumed_from: Path | None = None) -> None:
     """--resume continues the same experiment: settings that shape the adapter or the data must not
     change, nor the number of processes. (The prompt order would survive another number: every rank
     draws the same global stream and takes its share. But each rank's random state is saved for its
     rank, and a rank that did not exist has none, so the run would not continue as it started.)
     A change of precision (PRECISION_FLAGS, e.g. a run moved to a CPU without bfloat16 arithmetic,
-    whose defaults are float32) or of the optimizer's settings (OPTIMIZER_SETTINGS, e.g. a lower --lr
-    after non-finite updates: take_optimizer_settings) is allowed, with a warning."""
+    whose defaults are float32) or of a RETUNABLE setting (e.g. a lower --lr after non-finite updates:
+    take_optimizer_settings) is allowed, with a warning; compared with the settings at `resumed_from` (settings_at)."""
     path = out_dir / "config.json"
     if not path.exists():
         return
     saved = {"uniform_groups": "keep"} | json.loads(path.read_text())  # a run from before --uniform-groups kept them
+    if resumed_from is not None:  # the settings as they were at the checkpoint it continues from
+        saved = settings_at(saved, int(resumed_from.name.split("-")[-1]))
 
     def differing(names: tuple[str, ...]) -> list[str]:  # those of `names` the run saved with another value
         return [k for k in names if k in saved and saved[k] != getattr(args, k)]
@@ -246,15 +248,22 @@ def check_resume_config(out_dir: Path, args, world_size: int = 1) -> None:
                          f"each rank's random state is saved per rank; launch {trained_with} (torchrun --nproc_per_node) to continue it")
 
 
+def settings_at(saved: dict, step: int) -> dict:
+    """A run's config.json as it stood when `step` had trained: the changes made on resuming at `step` or later (whose
+    steps a resume from `step` runs again) undone, from the last back."""
+    saved, history = dict(saved), list(saved.get("changed_on_resume", []))
+    while history and history[-1]["step"] >= step:
+        saved |= {k: change[0] for k, change in history.pop().items() if k != "step"}
+    return {k: v for k, v in saved.items() if k != "changed_on_resume"} | ({"changed_on_resume": history} if history else {})
+
+
 def write_config(out_dir: Path, settings: dict, resumed_step: int | None = None) -> None:
     """The run's config.json: `settings`, and for a run resumed at `resumed_step` the history of the RETUNABLE settings
     it changed, a list under changed_on_resume of {"step": resumed_step, setting: [old, new], ...}, so that the run's
     record keeps the settings its early steps trained with (eval.py and --plot read the latest)."""
     path = out_dir / "config.json"
-    old = json.loads(path.read_text()) if path.exists() and resumed_step is not None else {}
+    old = settings_at(json.loads(path.read_text()), resumed_step) if path.exists() and resumed_step is not None else {}
     history = old.pop("changed_on_resume", [])
-    while history and history[-1]["step"] >= resumed_step:  # resumed before a change: its steps run again, as before it
-        old |= {k: change[0] for k, change in history.pop().items() if k != "step"}
     changed = {k: [old[k], settings[k]] for k in RETUNABLE if k in old and old[k] != settings[k]}
     if changed:
         history.append({"step": resumed_step, **changed})

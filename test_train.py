@@ -108,8 +108,9 @@ def test_resume_takes_the_commands_learning_rate_and_says_it_changed(tiny_model_
     saved = torch.load(out / "checkpoint-4" / "training_state.pt", weights_only=False)["optimizer"]["param_groups"][0]
     assert saved["initial_lr"] == 1e-3 and saved["weight_decay"] == 0.05
     shutil.rmtree(out / "checkpoint-4")
-    assert train.main(args) == 0  # from checkpoint-2 again, with the settings steps 1-2 had: no change to record
+    assert train.main(args) == 0  # from checkpoint-2 again, with the settings steps 1-2 had: no change to warn of or record
     assert "changed_on_resume" not in json.loads((out / "config.json").read_text())
+    assert sum("continues with other settings" in r.getMessage() for r in caplog.records) == 1
 
 
 def test_resume_refuses_a_model_other_than_the_runs(tiny_model_dir, tmp_path, capsys, length_rewards):

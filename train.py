@@ -292,7 +292,7 @@ def train(args: Args, world: distributed.World = distributed.World()) -> Path:
     found = checkpoint.find(out_dir) if out_dir.exists() else []
     resuming = checkpoint.continues(args.resume, out_dir, found)
     if resuming:
-        checkpoint.check_resume_config(out_dir, args, world.size)
+        checkpoint.check_resume_config(out_dir, args, world.size, found[-1])
     config.check_gpus_per_node(device, world)
     checkpoint.make_out_dir(out_dir)
     distributed.start(world)  # torchrun: meet the other ranks (every rank has passed the checks above)
