@@ -3,8 +3,8 @@
 A measuring tool beside train.py, not part of training: it builds the same model, sampler and update
 as `train.py` (its flags, but not those of a whole run such as --m or --steps: UNUSED), runs one untimed
 step at full size (warm_up), then draws --prompts-per-step prompts, generates their n rollouts, and runs
-the update on the m kept for m = n, n/2 and n/4 (m >= 2), printing a table of seconds per phase, the update's peak memory and each step's cost
-relative to GRPO's. It then sets GRPO's update against its arithmetic (the FLOPs of its matrix
+the update on the m kept for m = n, n/2 and n/4 (m >= 2), printing a table of seconds per phase, the
+update's peak memory and each step's cost relative to GRPO's. It then sets GRPO's update against its arithmetic (the FLOPs of its matrix
 products, and the rate this CPU reaches on those products alone at a micro-batch's shape; attention's
 score products are left out) and, with the transformers backend, one decode step against its own
 (`decode_step_ms`), and prints the gap between the sampler's and the trainer's log-probabilities.

@@ -73,9 +73,10 @@ def parse_args(args_class, argv: list[str] | None = None, description: str = "",
             parser.add_argument(flag, nargs="?", default=argparse.SUPPRESS, help=argparse.SUPPRESS)
             continue
         shown = ("on" if f.default else "off") if isinstance(f.default, bool) else f.default
-        text = helps.get(f.name, f.metadata["help"]) + ("" if f.default is None else f" [{shown}]")  # None: the profile's, in its help
+        described = helps.get(f.name, f.metadata["help"])
+        text = described + ("" if f.default is None else f" [{shown}]")  # None: the profile's, in its help
         if f.name == "resume":  # --resume alone means yes
-            parser.add_argument(flag, nargs="?", const="yes", default=f.default, choices=RESUME_MODES, help=helps.get(f.name, f.metadata["help"]))
+            parser.add_argument(flag, nargs="?", const="yes", default=f.default, choices=RESUME_MODES, help=described)
         elif f.type.startswith("bool"):
             parser.add_argument(flag, action=argparse.BooleanOptionalAction, default=f.default, help=text)
         else:

@@ -62,6 +62,11 @@ def bar_position(args, state: dict) -> float:
     return round(state["elapsed_s"] / 60, 3) if args.time_budget else state["step"]
 
 
+def budget_spent(args, state: dict) -> bool:
+    """Whether --time-budget (minutes; 0: none) is used up by the training time so far."""
+    return bool(args.time_budget) and state["elapsed_s"] >= args.time_budget * 60
+
+
 def count_skipped(update: dict, skipped_in_a_row: int, step: int) -> int:
     """Updates skipped in a row for a non-finite loss or gradient norm (policy_update), logged."""
     if not update["skipped"]:

@@ -133,7 +133,7 @@ def train_loop(args, model, tokenizer, optimizer, scheduler, sampler, stream, st
         with open(metrics_path if world.is_main else os.devnull, "a") as metrics_file:
             while (state["step"] < args.steps and skipped_in_a_row < args.max_skipped_steps
                    and not distributed.any_rank(stop["requested"], world)):
-                if args.time_budget and state["elapsed_s"] >= args.time_budget * 60:
+                if progress.budget_spent(args, state):
                     log.info("time budget of %g min reached", args.time_budget)
                     break
                 start = time.perf_counter()
@@ -181,8 +181,7 @@ def train_loop(args, model, tokenizer, optimizer, scheduler, sampler, stream, st
         for sig, handler in previous_handlers.items():  # only now: a Ctrl-C during the last save is still a first one
             signal.signal(sig, handler)
         bar.close()
-    budget_spent = args.time_budget and state["elapsed_s"] >= args.time_budget * 60
-    if stop["requested"] and state["step"] < args.steps and not budget_spent:  # a Ctrl-C in the last step: done, not interrupted
+    if stop["requested"] and state["step"] < args.steps and not progress.budget_spent(args, state):  # Ctrl-C in the last step: done
         raise KeyboardInterrupt
 
 
