@@ -71,10 +71,6 @@ def mixed_length_groups() -> list[sampling.Rollout]:
     return rollouts
 
 
-TORCHRUN_LOGS = tempfile.mkdtemp(prefix="pods-test-torchrun-")  # torchrun leaves a /tmp/torchelastic_* per launch otherwise
-atexit.register(shutil.rmtree, TORCHRUN_LOGS, True)
-
-
 def tiny_llama(tokenizer_dir: Path, path: Path, hidden_size: int, heads: int, kv_heads: int) -> Path:
     """A randomly initialised 2-layer Llama at `path` with the tokenizer of `tokenizer_dir` (the embedded model's)."""
     from transformers import AutoTokenizer, LlamaConfig, LlamaForCausalLM
@@ -87,6 +83,10 @@ def tiny_llama(tokenizer_dir: Path, path: Path, hidden_size: int, heads: int, kv
     LlamaForCausalLM(config).save_pretrained(path)
     tokenizer.save_pretrained(path)
     return path
+
+
+TORCHRUN_LOGS = tempfile.mkdtemp(prefix="pods-test-torchrun-")  # torchrun leaves a /tmp/torchelastic_* per launch otherwise
+atexit.register(shutil.rmtree, TORCHRUN_LOGS, True)
 
 
 def torchrun(nproc: int, *train_argv: str, script: str = "train.py", wait: bool = True, launcher_flags: tuple[str, ...] = (),
