@@ -80,7 +80,8 @@ def parse_args(args_class, argv: list[str] | None = None, description: str = "",
         elif f.type.startswith("bool"):
             parser.add_argument(flag, action=argparse.BooleanOptionalAction, default=f.default, help=text)
         else:
-            kind = {"int": int, "float": float, "str": str}[f.type.split(" ")[0]]
+            # a str flag's leading "~" is the home directory: the shell leaves "--out-dir=~/runs" as typed
+            kind = {"int": int, "float": float, "str": os.path.expanduser}[f.type.split(" ")[0]]
             parser.add_argument(flag, type=kind, default=f.default, help=text)
     parsed = vars(parser.parse_args(argv))
     for name in unused:

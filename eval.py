@@ -35,6 +35,7 @@ import io
 import json
 import logging
 import math
+import os
 import sys
 from dataclasses import dataclass
 from pathlib import Path
@@ -401,12 +402,13 @@ def main(argv: list[str] | None = None) -> int:
     for noisy in ("httpx", "transformers", "huggingface_hub"):
         logging.getLogger(noisy).setLevel(logging.WARNING)
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("path", nargs="?", help="a run's --out-dir, one checkpoint directory, or a base model (name, path, 'embedded')")
-    parser.add_argument("--plot", nargs="+", metavar="RUN_DIR", help="plot test accuracy over training time for these runs")
-    parser.add_argument("--plot-train", nargs="+", metavar="RUN_DIR",
+    home = os.path.expanduser  # a path's leading "~": the shell leaves "--out=~/r.json" as typed
+    parser.add_argument("path", nargs="?", type=home, help="a run's --out-dir, one checkpoint directory, or a base model (name, path, 'embedded')")
+    parser.add_argument("--plot", nargs="+", metavar="RUN_DIR", type=home, help="plot test accuracy over training time for these runs")
+    parser.add_argument("--plot-train", nargs="+", metavar="RUN_DIR", type=home,
                         help="plot training curves (reward, train accuracy, completion length, seconds per step) from "
                              "metrics.jsonl alone, no evaluation needed [figure: training_curves.png]")
-    parser.add_argument("--dataset", default=None,
+    parser.add_argument("--dataset", default=None, type=home,
                         help="'gsm8k' (test split), 'arith' (held-out split) or a .jsonl path [the run's task; "
                              "a base model: arith; a run trained on a file: required]")
     parser.add_argument("--limit", default=None, metavar="N|all",
@@ -424,7 +426,7 @@ def main(argv: list[str] | None = None) -> int:
                         help="vLLM: KV cache size in GiB (a CPU rounds it up to whole GiB) [sized from --gpu-memory-utilization]")
     parser.add_argument("--vllm-enforce-eager", "--enforce-eager", dest="enforce_eager", action="store_true",
                         help="vLLM: no CUDA graphs (slower generation, ~0.5-1 GiB less memory) [off]")
-    parser.add_argument("--out", default=None, help="results JSON (eval) or figure PNG (--plot) [eval-DATASET.json in the run or checkpoint directory, or here; --plot: accuracy_vs_time.png]")
+    parser.add_argument("--out", default=None, type=home, help="results JSON (eval) or figure PNG (--plot) [eval-DATASET.json in the run or checkpoint directory, or here; --plot: accuracy_vs_time.png]")
     parser.add_argument("--baseline", default=None, help="--plot: label of the baseline curve [the GRPO run]")
     parser.add_argument("--target-frac", type=float, default=plot.TARGET_FRAC,
                         help="--plot: speed-up target, a share of the baseline's peak accuracy; 1 = the peak itself [0.99, the authors']")

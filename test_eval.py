@@ -617,6 +617,14 @@ def test_plot_train_draws_a_runs_training_curves_from_its_metrics_alone(tiny_run
     assert capsys.readouterr().out.splitlines()[1].split()[:2] == ["edited", "2"]
 
 
+def test_a_leading_tilde_in_eval_paths_is_the_home_directory(tiny_run, tmp_path, capsys, monkeypatch):
+    """The shell leaves "--out=~/x.png" as typed: eval.py read a run under "./~" and wrote the figure there."""
+    monkeypatch.setenv("HOME", str(tiny_run.parent))
+    monkeypatch.chdir(tmp_path)
+    assert evaluation.main([f"--plot-train=~/{tiny_run.name}", "--out=~/figures/c.png"]) == 0
+    assert (tiny_run.parent / "figures" / "c.png").is_file() and not (tmp_path / "~").exists()
+
+
 def test_an_out_path_under_a_file_stops_in_one_line_before_any_work(tiny_run, tmp_path, capsys, monkeypatch):
     """eval.py RUN --out A_FILE/r.json evaluated every checkpoint, then ended in FileExistsError's traceback while saving:
     the evaluation was lost. Now --out's directory is made first, for the figures too."""

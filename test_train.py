@@ -187,6 +187,14 @@ def test_bfloat16_forced_on_a_cpu_that_emulates_it_is_kept_with_a_warning_and_th
     assert (gpu.bf16_autocast, gpu.bf16_weights, gpu.merged_sampler) == (False, True, True)
 
 
+def test_a_leading_tilde_in_a_path_flag_is_the_home_directory(monkeypatch, tmp_path):
+    """The shell leaves "--out-dir=~/runs/pods" as typed: the run wrote into a directory named "~" under this one."""
+    monkeypatch.setenv("HOME", str(tmp_path))
+    args = config.parse_args(train.Args, ["--out-dir=~/runs/pods", "--model=~/m", "--dataset=~/d.jsonl"])
+    assert (args.out_dir, args.model, args.dataset) == (f"{tmp_path}/runs/pods", f"{tmp_path}/m", f"{tmp_path}/d.jsonl")
+    assert config.parse_args(train.Args, ["--out-dir=runs/~x"]).out_dir == "runs/~x"  # only a leading one
+
+
 def test_help_gives_each_default_the_profiles_by_device(capsys):
     with pytest.raises(SystemExit):
         config.parse_args(train.Args, ["--help"])
