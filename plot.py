@@ -76,6 +76,11 @@ SEED_FIELDS = {"seed", "out_dir", "resume", "torch", "device", "steps", "time_bu
 PRECISION_FIELDS = {"bf16_autocast", "bf16_weights"}  # may differ between seeds, not within one (run_precision)
 
 
+def setting_text(value) -> str:
+    """A config.json value in a message: as written there ("none" where the run has no such setting)."""
+    return "none" if value is None else value if isinstance(value, str) else json.dumps(value)
+
+
 def run_precision(config: dict, eval_settings: dict) -> str:
     """The arithmetic a run trained and was evaluated in. Seeds may differ in it (a series trained on a CPU
     without bfloat16 arithmetic, in float32), a seed's runs may not: they are compared pair by pair."""
@@ -152,8 +157,10 @@ def group_curves(run_dirs: list[Path], results_file: str | None, clock=None
             other, other_config = first_config[label]
             differing = differing_keys(config, other_config, ignore=SEED_FIELDS | PRECISION_FIELDS)
             if differing:
-                raise PlotError(f"{run} and {other} are both {label} but differ in {', '.join(differing)}, "
-                                f"not only the seed; plot them separately")
+                values = "; ".join(f"{key} {setting_text(config.get(key))} against {setting_text(other_config.get(key))}"
+                                   for key in differing)
+                raise PlotError(f"{run} and {other} are both {label} but differ in more than the seed ({values}); "
+                                f"plot them separately")
         first_config.setdefault(label, (run, config))
         seed, precision = config.get("seed", 0), run_precision(config, stored["settings"])
         if (label, seed) in seen:  # the same run twice, or a copy: one seed counted as two

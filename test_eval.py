@@ -349,7 +349,13 @@ def test_plot_refuses_runs_that_are_not_comparable(tmp_path, capsys):
     seed1_other_lr = fake_run(tmp_path, "grpo-s1", "none", 8, 8, [(0, 0.2), (60, 0.4)], lr=1e-4, seed=1)
     pods_run = fake_run(tmp_path, "pods2", "max_variance", 8, 4, [(0, 0.2), (60, 0.5)])
     assert evaluation.main(["--plot", str(grpo_run), str(seed1_other_lr), str(pods_run), "--out", str(tmp_path / "f.png")]) == 2
-    assert "are both GRPO n=8 but differ in lr, not only the seed" in capsys.readouterr().err
+    assert "are both GRPO n=8 but differ in more than the seed (lr 0.0001 against 0.0003); plot them" in capsys.readouterr().err
+    retuned = fake_run(tmp_path, "grpo-s2", "none", 8, 8, [(0, 0.2), (60, 0.4)], seed=2)
+    config = json.loads((retuned / "config.json").read_text())
+    (retuned / "config.json").write_text(json.dumps(config | {"changed_on_resume": [{"step": 5, "max_new_tokens": [24, 32]}]}))
+    assert evaluation.main(["--plot", str(grpo_run), str(retuned), str(pods_run), "--out", str(tmp_path / "f.png")]) == 2
+    assert ('differ in more than the seed (changed_on_resume [{"step": 5, "max_new_tokens": [24, 32]}] against none)'
+            in capsys.readouterr().err)  # a seed resumed with another --max-new-tokens
     seed1 = fake_run(tmp_path, "grpo-s1b", "none", 8, 8, [(0, 0.2), (60, 0.6)], seed=1)
     assert evaluation.main(["--plot", str(grpo_run), str(seed1), str(pods_run), "--out", str(tmp_path / "f.png")]) == 0
     assert "GRPO n=8: peak 0.500" in capsys.readouterr().out  # the mean of the two seeds
