@@ -78,15 +78,18 @@ def test_shared_prompt_logprobs_under_eager_attention_equal_the_unshared_ones_an
         update.shared_prompt_logprobs(model, rollouts, 0.7, tokenizer.pad_token_id)
 
 
-def test_shared_prompt_logprobs_with_completions_shorter_than_the_prompt(tiny_model_dir):
+def test_shared_prompt_logprobs_with_completions_shorter_than_the_prompt_or_empty(tiny_model_dir):
     """A long prompt whose kept completions are short together (a model that learned to answer in a
     few tokens): the packed row holds fewer completion tokens than prompt tokens. This once indexed
-    past the kept logits for padded completion positions and crashed a run."""
+    past the kept logits for padded completion positions and crashed a run. An empty completion (a
+    sampler that strips the EOS, as TRL's) ended in torch.arange(-1)'s RuntimeError; it is masked out."""
     model, tokenizer = lora_policy(tiny_model_dir)
     prompt = list(range(3, 33))  # 30 tokens
-    rollouts = [sampling.Rollout(prompt, [40, 41, 42], "", False), sampling.Rollout(prompt, [50], "", False)]
+    rollouts = [sampling.Rollout(prompt, [40, 41, 42], "", False), sampling.Rollout(prompt, [], "", False),
+                sampling.Rollout(prompt, [50], "", False)]
     unshared, mask = update.completion_logprobs(model, rollouts, 0.7, tokenizer.pad_token_id)
-    shared, _ = update.shared_prompt_logprobs(model, rollouts, 0.7, tokenizer.pad_token_id)
+    shared, shared_mask = update.shared_prompt_logprobs(model, rollouts, 0.7, tokenizer.pad_token_id)
+    assert torch.equal(mask, shared_mask) and mask[1].sum() == 0
     assert ((shared - unshared).abs() * mask).max().item() <= 1e-5
 
 

@@ -110,6 +110,8 @@ def shared_prompt_logprobs(model, rollouts: list[Rollout], temperature: float, p
         start = P
         for j, i in enumerate(row, start=1):
             c = len(rollouts[i].completion_ids)
+            if c == 0:  # an empty completion (its EOS stripped, as TRL does): no token to score, masked out
+                continue
             ids[r, start : start + c], segment[r, start : start + c] = torch.tensor(rollouts[i].completion_ids), j
             position[r, start : start + c] = p + torch.arange(c)
             # token t of completion j is predicted at column start + t - 1; its first token by the prompt's last one
