@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 import re
 from pathlib import Path
 
@@ -52,6 +53,17 @@ def test_sample_tokens_draws_from_the_tempered_distribution_and_returns_its_log_
     assert torch.allclose(logprobs, torch.log_softmax(logits / 0.5, -1).gather(1, tokens[:, None]).squeeze(1))
     torch.manual_seed(0)
     assert torch.equal(sampling.sample_tokens(logits, temperature=0.5)[0], tokens)  # the global generator replays it
+
+
+def test_sample_tokens_can_draw_a_token_rarer_than_float32s_steps_after_most_of_the_mass(monkeypatch):
+    """In a float32 running sum 1 + 1e-9 is 1 again: a token of probability 1e-9 after one of nearly 1 had no width and was
+    never drawn (most of SmolLM2's vocabulary at most steps). The uniform number is made to land in its interval."""
+    logits = torch.tensor([[0.0, math.log(1e-9)]])
+    top = 1 - 5e-10  # in [1 - 1e-9, 1): the rare token's interval; float32 rounds it, so there its largest value below 1
+    monkeypatch.setattr(torch, "rand", lambda *size, dtype=torch.float32, device=None: torch.full(
+        size, min(top, 1 - torch.finfo(dtype).eps / 2), dtype=dtype, device=device))
+    token, logprob = sampling.sample_tokens(logits, temperature=1.0)
+    assert token.tolist() == [1] and logprob.item() == pytest.approx(math.log(1e-9), rel=1e-6)
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
