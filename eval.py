@@ -406,7 +406,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("path", nargs="?", type=home, help="a run's --out-dir, one checkpoint directory, or a base model (name, path, 'embedded')")
     parser.add_argument("--plot", nargs="+", metavar="RUN_DIR", type=home, help="plot test accuracy over training time for these runs")
     parser.add_argument("--plot-train", nargs="+", metavar="RUN_DIR", type=home,
-                        help="plot training curves (reward, train accuracy, completion length, seconds per step) from "
+                        help="plot training curves (reward, train accuracy of all and of the kept rollouts, completion "
+                             "length, seconds per step, share of uniform groups) from "
                              "metrics.jsonl alone, no evaluation needed [figure: training_curves.png]")
     parser.add_argument("--dataset", default=None, type=home,
                         help="'gsm8k' (test split), 'arith' (held-out split) or a .jsonl path [the run's task; "

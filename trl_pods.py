@@ -11,8 +11,9 @@ advantages from the kept rewards (`grpo.group_advantages`), and hands TRL's loss
     trainer = PODSGRPOTrainer(model=..., reward_funcs=..., args=config, train_dataset=..., m=4)
     trainer.train()                                     # each step trains on 4 prompts x 4 kept rollouts
 
-Tested with trl 1.16.0 (requirements-trl.txt); it imports `pods` and `grpo` and nothing else of
-this project. Importing it with a TRL whose internals differ fails with one line saying so.
+Tested with trl 1.16.0 (requirements-trl.txt). The trainer needs `pods` and `grpo` of this project;
+`task_dataset` and `task_reward`, train.py's task for it, also `data` and `rewards`. Importing it with a
+TRL whose internals differ fails with one line saying so.
 
 What it overrides in GRPOTrainer, and why:
 - `_calculate_rewards`: calls TRL's and keeps its result, the reward of every reward function for

@@ -176,7 +176,7 @@ def policy_update(model, optimizer, scheduler, kept: list[Rollout], advantages: 
     With share_prompt, micro-batches follow the prompt groups and each prompt in one is
     forwarded once (shared_prompt_logprobs).
     One update per batch: pi_old = pi_theta (detached), so no extra forward pass is needed.
-    When the sampler returned its own log-probs (vLLM), the mean and max |log pi_sampler - log pi_theta|
+    When the sampler returned its own log-probs (vLLM, and transformers generation), the mean and max |log pi_sampler - log pi_theta|
     over the completion tokens are reported (`sampler_gap_mean`, `sampler_gap_max`), and tis_cap
     weights each token by the truncated ratio of the two (grpo.truncated_importance_weights).
     With beta > 0 the reference policy is the base model (the LoRA adapter switched off), one
