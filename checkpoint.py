@@ -224,7 +224,10 @@ def check_resume_config(out_dir: Path, args, world_size: int = 1, resumed_from: 
         saved = settings_at(saved, int(resumed_from.name.split("-")[-1]))
 
     def differing(names: tuple[str, ...]) -> list[str]:  # those of `names` the run saved with another value
-        return [k for k in names if k in saved and saved[k] != getattr(args, k)]
+        return [k for k in names if k in saved and saved_value(k) != getattr(args, k)]
+
+    def saved_value(name: str):  # a path as the command line now reads it: "~/d.jsonl" was saved unexpanded before 29 Nov 2026
+        return os.path.expanduser(saved[name]) if name in config.PATH_FLAGS and isinstance(saved[name], str) else saved[name]
 
     def change(name: str) -> str:
         return f"--{name.replace('_', '-')} {saved[name]} -> {getattr(args, name)}"
@@ -301,12 +304,24 @@ def take_optimizer_settings(optimizer, scheduler, args) -> None:
                      betas=(args.adam_beta1, args.adam_beta2), weight_decay=args.weight_decay)
 
 
+def unexpanded_run(out_dir: Path) -> Path | None:
+    """./~/X, where the run of --out-dir=~/X went before "~" was expanded (29 Nov 2026), if it holds one."""
+    try:
+        old = Path("~") / out_dir.relative_to(Path.home())
+    except ValueError:  # not under the home directory
+        return None
+    return old if (old / "config.json").is_file() else None
+
+
 def continues(resume: str, out_dir: Path, found: list[Path]) -> bool:
     """Whether this run continues the one in out_dir (--resume yes | auto | no), or refuses in one line.
     `auto` is start-or-continue: a launcher that restarts failed workers re-runs the same command, so
     the same flags must start the run the first time and continue it after a fault. A directory with
     metrics but no checkpoint (a run that died before its first save) is started afresh under auto."""
     has_metrics = (out_dir / "metrics.jsonl").exists()
+    if not found and resume != "no" and (unexpanded := unexpanded_run(out_dir)):
+        raise config.UsageError(f"--resume: no checkpoint in {out_dir}, but ./{unexpanded} holds a run: before 29 Nov 2026 "
+                                f"--out-dir=~/... wrote there; pass --out-dir ./{unexpanded} to continue it")
     if resume == "auto":
         if not found and has_metrics:
             log.info("--resume auto: %s has no checkpoint yet; starting afresh", out_dir)

@@ -52,6 +52,8 @@ def profile(device: str) -> dict:
     return {**PROFILES["cpu"], **{k: False for k in BFLOAT16_FLAGS}}
 
 
+# flags that may name a file or directory: a leading "~" is the home directory (the shell leaves "--out-dir=~/runs" as typed)
+PATH_FLAGS = ("model", "dataset", "out_dir")
 UNBOUNDED = ("max_grad_norm", "clip_eps", "clip_eps_high", "tis_cap")  # inf: no clipping, no cap on the importance weight
 
 
@@ -80,8 +82,7 @@ def parse_args(args_class, argv: list[str] | None = None, description: str = "",
         elif f.type.startswith("bool"):
             parser.add_argument(flag, action=argparse.BooleanOptionalAction, default=f.default, help=text)
         else:
-            # a str flag's leading "~" is the home directory: the shell leaves "--out-dir=~/runs" as typed
-            kind = {"int": int, "float": float, "str": os.path.expanduser}[f.type.split(" ")[0]]
+            kind = {"int": int, "float": float, "str": os.path.expanduser if f.name in PATH_FLAGS else str}[f.type.split(" ")[0]]
             parser.add_argument(flag, type=kind, default=f.default, help=text)
     parsed = vars(parser.parse_args(argv))
     for name in unused:

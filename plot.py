@@ -76,9 +76,9 @@ SEED_FIELDS = {"seed", "out_dir", "resume", "torch", "device", "steps", "time_bu
 PRECISION_FIELDS = {"bf16_autocast", "bf16_weights"}  # may differ between seeds, not within one (run_precision)
 
 
-def setting_text(value) -> str:
-    """A config.json value in a message: as written there ("none" where the run has no such setting)."""
-    return "none" if value is None else value if isinstance(value, str) else json.dumps(value)
+def setting_text(config: dict, key: str) -> str:
+    """A config.json setting in a message: as written there, or "(not set)" where the file has no such key."""
+    return json.dumps(config[key]) if key in config else "(not set)"
 
 
 def run_precision(config: dict, eval_settings: dict) -> str:
@@ -157,7 +157,7 @@ def group_curves(run_dirs: list[Path], results_file: str | None, clock=None
             other, other_config = first_config[label]
             differing = differing_keys(config, other_config, ignore=SEED_FIELDS | PRECISION_FIELDS)
             if differing:
-                values = "; ".join(f"{key} {setting_text(config.get(key))} against {setting_text(other_config.get(key))}"
+                values = "; ".join(f"{key} {setting_text(config, key)} against {setting_text(other_config, key)}"
                                    for key in differing)
                 raise PlotError(f"{run} and {other} are both {label} but differ in more than the seed ({values}); "
                                 f"plot them separately")

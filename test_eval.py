@@ -354,7 +354,7 @@ def test_plot_refuses_runs_that_are_not_comparable(tmp_path, capsys):
     config = json.loads((retuned / "config.json").read_text())
     (retuned / "config.json").write_text(json.dumps(config | {"changed_on_resume": [{"step": 5, "max_new_tokens": [24, 32]}]}))
     assert evaluation.main(["--plot", str(grpo_run), str(retuned), str(pods_run), "--out", str(tmp_path / "f.png")]) == 2
-    assert ('differ in more than the seed (changed_on_resume [{"step": 5, "max_new_tokens": [24, 32]}] against none)'
+    assert ('differ in more than the seed (changed_on_resume [{"step": 5, "max_new_tokens": [24, 32]}] against (not set))'
             in capsys.readouterr().err)  # a seed resumed with another --max-new-tokens
     seed1 = fake_run(tmp_path, "grpo-s1b", "none", 8, 8, [(0, 0.2), (60, 0.6)], seed=1)
     assert evaluation.main(["--plot", str(grpo_run), str(seed1), str(pods_run), "--out", str(tmp_path / "f.png")]) == 0
@@ -629,6 +629,10 @@ def test_a_leading_tilde_in_eval_paths_is_the_home_directory(tiny_run, tmp_path,
     monkeypatch.chdir(tmp_path)
     assert evaluation.main([f"--plot-train=~/{tiny_run.name}", "--out=~/figures/c.png"]) == 0
     assert (tiny_run.parent / "figures" / "c.png").is_file() and not (tmp_path / "~").exists()
+    home = tiny_run.parent
+    for argv, said in ((["~/missing"], f"{home}/missing does not exist"), (["--plot=~/nope"], f"{home}/nope is not a run directory"),
+                       (["embedded", "--dataset=~/d.jsonl"], f"dataset file {home}/d.jsonl does not exist")):
+        assert evaluation.main(argv) == 2 and capsys.readouterr().err.startswith(f"error: {said}")
 
 
 def test_an_out_path_under_a_file_stops_in_one_line_before_any_work(tiny_run, tmp_path, capsys, monkeypatch):

@@ -3,6 +3,7 @@ the GPU profile rehearsed on a CPU, and the faults a run survives."""
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 import json
 import logging
@@ -193,6 +194,25 @@ def test_a_leading_tilde_in_a_path_flag_is_the_home_directory(monkeypatch, tmp_p
     args = config.parse_args(train.Args, ["--out-dir=~/runs/pods", "--model=~/m", "--dataset=~/d.jsonl"])
     assert (args.out_dir, args.model, args.dataset) == (f"{tmp_path}/runs/pods", f"{tmp_path}/m", f"{tmp_path}/d.jsonl")
     assert config.parse_args(train.Args, ["--out-dir=runs/~x"]).out_dir == "runs/~x"  # only a leading one
+    assert config.parse_args(train.Args, ["--rule=~"]).rule == "~"  # not a path: refused as typed
+
+
+def test_a_run_saved_with_an_unexpanded_tilde_path_resumes_and_one_in_dot_tilde_is_pointed_at(monkeypatch, tmp_path):
+    """Before "~" was expanded, config.json recorded "--dataset=~/d.jsonl" as typed and "--out-dir=~/x" wrote ./~/x. The
+    same command now reads $HOME/d.jsonl (the same file: resumed without a word) and $HOME/x (no run there: refused, with
+    where the run is, rather than started afresh under --resume auto)."""
+    monkeypatch.setenv("HOME", str(tmp_path / "home"))
+    monkeypatch.chdir(tmp_path)
+    old = tmp_path / "~" / "x"
+    old.mkdir(parents=True)
+    args = config.parse_args(train.Args, ["--dataset=~/d.jsonl", "--out-dir=~/x"])
+    (old / "config.json").write_text(json.dumps(dataclasses.asdict(args) | {"dataset": "~/d.jsonl"}))
+    checkpoint.check_resume_config(old, args)  # no UsageError
+    for resume in ("yes", "auto"):
+        with pytest.raises(config.UsageError, match=rf"^--resume: no checkpoint in {tmp_path}/home/x, but \./~/x holds a run: "
+                                                    r"before 29 Nov 2026 --out-dir=~/\.\.\. wrote there; pass --out-dir \./~/x to continue it$"):
+            checkpoint.continues(resume, Path(args.out_dir), [])
+    assert checkpoint.continues("no", Path(args.out_dir), []) is False  # a new run, as asked
 
 
 def test_help_gives_each_default_the_profiles_by_device(capsys):
