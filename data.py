@@ -33,7 +33,7 @@ from rewards import normalize_number, parse_gsm8k_solution
 
 ARITH = "arith"
 GSM8K = "gsm8k"
-ARITH_TEST_SEED = 1_000_003  # held-out problems come from their own stream
+ARITH_TEST_SEED = 1_000_003  # test problems come from their own stream (not kept out of training: load_examples)
 NAMES = ["Ava", "Ben", "Chloe", "Dan", "Emma", "Finn", "Grace", "Hugo", "Isla", "Jack", "Lena", "Omar"]
 ITEMS = ["apples", "books", "coins", "marbles", "pencils", "stickers", "cards", "shells"]
 
@@ -173,7 +173,9 @@ def load_examples(dataset: str, split: str, arith_size: int = 20_000, seed: int 
     "train" or "test".
 
     For a .jsonl path the split is ignored. For "arith" the test split is a fixed stream of 500
-    problems from its own seed (one-digit sums have only 81 forms, so they recur in both splits).
+    problems from its own seed, not a set kept out of training: arith:1 has 81 distinct questions and
+    arith:2 ~9,400, so most of its test questions also occur among the 20,000 training ones (arith:3 and
+    arith:4 almost none; reproduce/seen_test_questions.py counts what runs drew).
     """
     levels = arith_levels(dataset)
     if levels is not None:

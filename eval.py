@@ -16,7 +16,7 @@ set, one sampled answer per question at temperature 0.9 with 512 new tokens, rep
 (different sampling seeds), accuracy as the mean with its standard error. An answer counts as
 correct whatever its format (rewards.correctness_reward); the format rate is reported beside it.
 Temperature and completion length default to the run's own (its config.json); the arith task
-uses its first 200 held-out questions and 32 new tokens. Prompts are the training prompt
+uses the first 200 of its test stream and 32 new tokens. Prompts are the training prompt
 (sampling.build_prompt), so train and test accuracy mean the same thing.
 
 For a run directory, the base model (step 0, time 0) is evaluated too, and results go to
@@ -55,7 +55,7 @@ import vllm_sampler
 log = logging.getLogger("pods")
 BASE = "base"  # the name under which a run's untrained starting point is recorded
 BASE_CACHE = models.CACHE_DIR / "eval"  # base-model results, shared by every run of the same model
-ARITH_LIMIT = 200  # arith's default --limit: 200 of its 500 held-out questions keep a CPU evaluation short
+ARITH_LIMIT = 200  # arith's default --limit: 200 of its 500 test questions keep a CPU evaluation short
 VLLM_MAX_NUM_SEQS = 256  # sequences vLLM decodes at once (its own default)
 
 
@@ -410,7 +410,7 @@ def main(argv: list[str] | None = None) -> int:
                              "length, seconds per step, share of uniform groups) from "
                              "metrics.jsonl alone, no evaluation needed [figure: training_curves.png]")
     parser.add_argument("--dataset", default=None, type=home,
-                        help="'gsm8k' (test split), 'arith' (held-out split) or a .jsonl path [the run's task; "
+                        help="'gsm8k' (test split), 'arith' (its test stream) or a .jsonl path [the run's task; "
                              "a base model: arith; a run trained on a file: required]")
     parser.add_argument("--limit", default=None, metavar="N|all",
                         help=f"evaluate the first N test questions, or all [all, as the authors; arith: {ARITH_LIMIT} of its 500]")

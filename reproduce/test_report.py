@@ -12,6 +12,7 @@ import headline
 import numpy as np
 import pytest
 import report
+import seen_test_questions
 import stats
 from reference_clock import ReferenceClock
 from scipy import stats as scipy_stats
@@ -463,3 +464,12 @@ def test_headline_reads_each_comparison_with_t_and_exact_intervals_and_draws_one
     priced = out[out.index("equal rollouts generated, each step priced otherwise (reference_clock.PRICINGS):") + 1:][:3]
     assert [line.split()[:4] for line in priced] == [["line", "to", "1.6", "min:"], ["constant", "to", "1.6", "min:"],
                                                      ["steps", "to", "30", "steps:"]]
+
+
+def test_seen_test_questions_counts_what_the_kept_runs_drew_as_reproduce_readme_says(capsys):
+    """The counts behind reproduce/README.md's "Test questions seen in training", from the kept records."""
+    seen_test_questions.main()
+    lines = capsys.readouterr().out.splitlines()
+    assert lines[0] == "254 distinct of the first 256 test questions; 208 of them in seed 0's training pool of 9389 distinct"
+    assert lines[-2].endswith("mean +7.2 questions = +0.028 of the accuracy at most")
+    assert lines[-1].endswith("mean -5.7 questions = -0.022 of the accuracy at most")
