@@ -26,6 +26,7 @@ import random
 import socket
 import threading
 from dataclasses import dataclass
+from decimal import Decimal
 from pathlib import Path
 from urllib.parse import urlparse
 
@@ -88,8 +89,10 @@ def arith_examples(count: int, seed: int, levels: tuple[int, ...] = (1, 2, 3)) -
 
 def _example(row: dict) -> Example | None:
     question, answer = row.get("question"), row.get("answer")
-    if not isinstance(question, str) or answer is None:
+    if not isinstance(question, str) or answer is None or isinstance(answer, bool):
         return None
+    if isinstance(answer, (int, float)):  # a JSON number: str(1e-05) is "1e-05", whose last number is 5
+        answer = format(Decimal(repr(answer)), "f")
     answer = str(answer)
     try:
         parsed = parse_gsm8k_solution(answer) if "####" in answer else normalize_number(answer, list_markers=False)

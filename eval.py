@@ -235,7 +235,9 @@ def base_cache_file(base: str, settings: Settings) -> Path:
     """Where the base model's result for these settings is kept: every run of one model starts
     from the same weights, so its step-0 point is evaluated once, not once per run, and again after
     the generation code changes (so that a run's base point comes from the code its checkpoints do)."""
-    key = json.dumps({"model": base, **settings.key(), **generation_code()}, sort_keys=True)
+    dataset = Path(settings.dataset)  # a file: its contents too (another folder's test.jsonl, an edited one)
+    contents = {"dataset_sha256": hashlib.sha256(dataset.read_bytes()).hexdigest()} if dataset.is_file() else {}
+    key = json.dumps({"model": base, **settings.key(), **contents, **generation_code()}, sort_keys=True)
     return BASE_CACHE / f"{hashlib.sha256(key.encode()).hexdigest()[:16]}.json"
 
 

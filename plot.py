@@ -113,6 +113,8 @@ def read_results(path: Path, fix: str) -> dict:
         stored = None
     if not (isinstance(stored, dict) and isinstance(stored.get("settings"), dict) and isinstance(stored.get("results"), list)):
         raise PlotError(f"{path} is not eval.py's results (JSON with settings and results); {fix}")
+    if not all(isinstance(r, dict) and isinstance(r.get("accuracy"), (int, float)) and math.isfinite(r["accuracy"]) for r in stored["results"]):
+        raise PlotError(f"{path} has a result whose accuracy is not a number (edited, or another tool's); {fix}")  # NaN: a wrong peak
     return stored
 
 

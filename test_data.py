@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import logging
 
 import pytest
@@ -50,6 +51,11 @@ def test_jsonl_reader_accepts_gsm8k_solutions_and_bare_numbers(tmp_path):
     assert data.load_examples(str(path), "train") == [data.Example("q1", "1200"), data.Example("q2", "7")]
     path.write_text('{"question": "q1", "answer": "- 5"}\n{"question": "q2", "answer": "x\\n#### - 3"}\n')
     assert data.load_examples(str(path), "train") == [data.Example("q1", "-5"), data.Example("q2", "-3")]  # no bullets in a reference
+    # JSON numbers as Python writes them: 1e-05 was read as 5 (the last number of "1e-05"); a boolean is no answer
+    path.write_text(json.dumps({"question": "q1", "answer": 0.00001}) + "\n" + json.dumps({"question": "q2", "answer": 1e21}) + "\n"
+                    + json.dumps({"question": "q3", "answer": 2.5}) + "\n" + json.dumps({"question": "q4", "answer": True}) + "\n")
+    assert data.load_examples(str(path), "train") == [data.Example("q1", "0.00001"), data.Example("q2", "1000000000000000000000"),
+                                                      data.Example("q3", "2.5")]
 
 
 def test_jsonl_reader_errors_name_the_problem(tmp_path):

@@ -96,6 +96,18 @@ def test_eval_does_not_reuse_a_base_result_sampled_by_other_generation_code(tmp_
     assert {"sampling.py", "decode.py", "torch", "transformers"} <= evaluation.generation_code().keys()
 
 
+def test_eval_does_not_reuse_a_base_result_for_another_file_of_the_same_name(tmp_path, monkeypatch):
+    """The base result's cache was keyed on --dataset as typed: another folder's test.jsonl, or the same file edited,
+    reused the first one's accuracy."""
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "test.jsonl").write_text(json.dumps({"question": "What is 1 + 1?", "answer": 2}) + "\n")
+    settings = evaluation.Settings("test.jsonl", None, samples=1, repeats=1, temperature=0.9, max_new_tokens=8)
+    first = evaluation.base_cache_file("model", settings)
+    assert evaluation.base_cache_file("model", settings) == first  # the same file: reused
+    (tmp_path / "test.jsonl").write_text(json.dumps({"question": "What is 1 + 1?", "answer": 9999999}) + "\n")
+    assert evaluation.base_cache_file("model", settings) != first
+
+
 def test_eval_defaults_to_the_runs_generation_settings_and_redoes_retrained_checkpoints(tiny_run, tmp_path, caplog):
     import shutil
 
@@ -290,6 +302,7 @@ def test_plot_refuses_in_one_line_what_it_cannot_read_honestly(tmp_path, capsys)
     base_only = fake_run(tmp_path, "pods-s1", "max_variance", 8, 4, [(0, 0.2)], seed=1)
     damaged = fake_run(tmp_path, "pods-s2", "max_variance", 8, 4, [(0, 0.2), (60, 0.5)], seed=2)
     (damaged / "eval-arith.json").write_text((damaged / "eval-arith.json").read_text()[:50])
+    edited = fake_run(tmp_path, "pods-s3", "max_variance", 8, 4, [(0, 0.2), (60, math.nan)], seed=3)  # NaN: a wrong peak, or a crash
     png = str(tmp_path / "f.png")
     for runs, expected in (
             ([grpo, pods, pods], f"{pods} and {pods} are both seed 0 of PODS max_variance n=8 m=4; pass each seed once"),
@@ -297,7 +310,9 @@ def test_plot_refuses_in_one_line_what_it_cannot_read_honestly(tmp_path, capsys)
             ([grpo, base_only], f"{base_only / 'eval-arith.json'} holds no evaluated checkpoint (at most the base model); "
                                 f"finish it: python eval.py {base_only}"),
             ([grpo, damaged], f"{damaged / 'eval-arith.json'} is not eval.py's results (JSON with settings and results); "
-                              f"evaluate again: python eval.py {damaged} --force")):
+                              f"evaluate again: python eval.py {damaged} --force"),
+            ([grpo, edited], f"{edited / 'eval-arith.json'} has a result whose accuracy is not a number (edited, or another "
+                             f"tool's); evaluate again: python eval.py {edited} --force")):
         assert evaluation.main(["--plot", *map(str, runs), "--out", png]) == 2
         assert capsys.readouterr().err == f"error: {expected}\n"
     for out in ("fig", "fig.xyz", "fig.pgf", str(tmp_path)):
