@@ -17,6 +17,7 @@ the checkpoint's step: those steps run again, drawing the same prompts and the s
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 import os
@@ -66,10 +67,12 @@ def random_state(rng: np.random.Generator) -> dict:
 
 def save(out_dir: Path, model, optimizer, scheduler, state: dict, rng: np.random.Generator,
          world: distributed.World = distributed.World()) -> Path:
-    """checkpoint-STEP/: PEFT adapter files, trainer_state.json (step, elapsed_s, data position)
+    """checkpoint-STEP/: PEFT adapter files, trainer_state.json (step, elapsed_s, data position, skipped_in_a_row)
     and training_state.pt (optimizer, scheduler, every rank's random state). Written aside, then
     renamed. Under torchrun every rank calls it; rank 0 writes (the adapters and optimizers are
     identical across ranks), the others wait until the checkpoint is complete."""
+    from safetensors import SafetensorError
+
     path = out_dir / f"checkpoint-{state['step']}"
     random_states = distributed.gather(random_state(rng), world)
     if world.is_main:
@@ -81,10 +84,11 @@ def save(out_dir: Path, model, optimizer, scheduler, state: dict, rng: np.random
             torch.save({"optimizer": optimizer.state_dict(), "scheduler": scheduler.state_dict(), "random_states": random_states},
                        tmp / "training_state.pt")
             (tmp / "trainer_state.json").write_text(json.dumps(state, indent=2))
-        except OSError as err:  # a full disk: the previous checkpoints are untouched (only renamed into place when whole)
+        # a full disk (torch.save says so in a RuntimeError, safetensors in its own): the previous checkpoints are untouched
+        except (OSError, RuntimeError, SafetensorError) as err:  # (each is renamed into place only when whole)
             shutil.rmtree(tmp, ignore_errors=True)
             previous = find(out_dir)
-            raise CheckpointError(f"could not write {path.name} ({err}); the last complete checkpoint is "
+            raise CheckpointError(f"could not write {path.name} ({str(err).splitlines()[0][:160]}); the last complete checkpoint is "
                                   f"{previous[-1] if previous else 'none'}: free space, then --resume") from None
         shutil.rmtree(path, ignore_errors=True)
         tmp.rename(path)
@@ -103,10 +107,18 @@ def load(path: Path, model, optimizer, scheduler, rng: np.random.Generator,
     optimizer.load_state_dict(saved["optimizer"])
     scheduler.load_state_dict(saved["scheduler"])
     if "random_states" in saved:
-        mine = saved["random_states"][world.rank]
+        set_random_state(saved["random_states"][world.rank], rng)
     else:  # written by train.py before torchrun support: one process's states, under other names
         cuda = saved.get("cuda_rng")
-        mine = {"torch": saved["torch_rng"], "numpy": saved["numpy_rng"], "cuda": cuda[0] if cuda else None}
+        set_random_state({"torch": saved["torch_rng"], "numpy": saved["numpy_rng"], "cuda": cuda[0] if cuda else None}, rng)
+    try:
+        return json.loads((path / "trainer_state.json").read_text())
+    except (OSError, UnicodeDecodeError, ValueError) as err:
+        raise unreadable(path, "trainer_state.json", err) from None
+
+
+def set_random_state(mine: dict, rng: np.random.Generator) -> None:
+    """This process's random generators as random_state took them."""
     torch.set_rng_state(mine["torch"])
     if mine["cuda"] is not None and torch.cuda.is_available():
         torch.cuda.set_rng_state(mine["cuda"])
@@ -114,7 +126,6 @@ def load(path: Path, model, optimizer, scheduler, rng: np.random.Generator,
     if "numpy_global" in mine:  # checkpoints before these were saved leave them as the engine seeded them
         np.random.set_state(mine["numpy_global"])
         random.setstate(mine["python"])
-    return json.loads((path / "trainer_state.json").read_text())
 
 
 def load_adapter(path: Path, model) -> None:
@@ -194,8 +205,11 @@ def write_atomic(path: Path, text: str) -> None:
         if path.exists():
             os.chmod(tmp, stat.S_IMODE(path.stat().st_mode))
         os.replace(tmp, path)
+    except OSError as err:  # a full disk, a read-only directory: the old file is whole
+        raise CheckpointError(f"could not write {path} ({err.strerror or err}); free space or make it writable, then run again") from None
     finally:
-        tmp.unlink(missing_ok=True)
+        with contextlib.suppress(OSError):  # (the directory may be what failed)
+            tmp.unlink(missing_ok=True)
 
 
 # ----------------------------------------------------------------------------- --resume
@@ -323,6 +337,8 @@ def continues(resume: str, out_dir: Path, found: list[Path]) -> bool:
         raise config.UsageError(f"--resume: no checkpoint in {out_dir}, but ./{unexpanded} holds a run: before 29 Nov 2026 "
                                 f"--out-dir=~/... wrote there; pass --out-dir ./{unexpanded} to continue it")
     if resume == "auto":
+        if not found and (out_dir / "metrics.jsonl").is_dir():
+            raise CheckpointError(f"{out_dir / 'metrics.jsonl'} is a directory, not the run's metrics: move it, or choose another --out-dir")
         if not found and has_metrics:
             log.info("--resume auto: %s has no checkpoint yet; starting afresh", out_dir)
             (out_dir / "metrics.jsonl").unlink(missing_ok=True)

@@ -844,14 +844,22 @@ def test_a_non_finite_update_is_skipped_leaving_weights_and_optimizer_state_and_
 def test_non_finite_updates_in_a_row_stop_the_run_with_one_line_and_a_checkpoint_of_the_last_good_weights(tiny_model_dir, tmp_path, monkeypatch, capsys, length_rewards):
     from safetensors.torch import load_file
 
-    nan_loss_on_steps(monkeypatch, {2, 3, 4, 5, 6})
+    nan_loss_on_steps(monkeypatch, set(range(2, 20)))  # every update from the second on
     out = tmp_path / "run"
-    assert train.main(tiny_args(tiny_model_dir, out, "--steps", "10", "--save-every-steps", "1", "--max-skipped-steps", "2")) == 1
+    argv = tiny_args(tiny_model_dir, out, "--steps", "10", "--save-every-steps", "1", "--max-skipped-steps", "2")
+    assert train.main(argv) == 1
     err = capsys.readouterr().err.strip().splitlines()[-1]
     assert err.startswith("error: 2 updates in a row had a non-finite loss or gradient norm and were skipped") and "checkpoint-3" in err
     assert [r["step"] for r in read_metrics(out)] == [1, 2, 3]
     good, last = (load_file(out / f"checkpoint-{s}" / "adapter_model.safetensors") for s in (1, 3))
     assert all(torch.equal(good[k], last[k]) for k in good)
+    # The count is a checkpoint's: resumed from checkpoint-2 (one skipped), the next skip is the second (it began at 0 again)
+    shutil.rmtree(out / "checkpoint-3")
+    assert train.main([*argv, "--resume"]) == 1
+    assert [r["step"] for r in read_metrics(out)] == [1, 2, 3] and "checkpoint-3" in capsys.readouterr().err
+    # Resumed after that stop (with a lower --lr, say), counting starts again: two more steps, then the same stop
+    assert train.main([*argv, "--resume"]) == 1
+    assert [r["step"] for r in read_metrics(out)] == [1, 2, 3, 4, 5]
 
 
 def test_a_disk_that_fills_during_a_checkpoint_leaves_the_previous_one_loadable(tiny_model_dir, tmp_path, monkeypatch, capsys, length_rewards):
@@ -874,6 +882,37 @@ def test_a_disk_that_fills_during_a_checkpoint_leaves_the_previous_one_loadable(
     monkeypatch.setattr(checkpoint.torch, "save", original)
     assert train.main(tiny_args(tiny_model_dir, out, "--steps", "3", "--resume")) == 0
     assert [r["step"] for r in read_metrics(out)] == [1, 2, 3]
+
+
+@pytest.mark.parametrize("limit", [20_000, 60_000])  # bytes a file may hold: safetensors' adapter file fails, or torch.save's
+def test_a_file_size_limit_during_a_checkpoint_stops_in_one_line(tiny_model_dir, tmp_path, monkeypatch, capsys, limit, length_rewards):
+    """A real write failure, not a faked OSError: torch.save reports it as a RuntimeError and safetensors as its own
+    SafetensorError, and both ended in a traceback with the .tmp- directory left behind."""
+    import resource
+
+    original, saves = checkpoint.save, []
+
+    def limited_on_the_second(*args, **kwargs):
+        saves.append(1)
+        if len(saves) != 2:
+            return original(*args, **kwargs)
+        before = resource.getrlimit(resource.RLIMIT_FSIZE)
+        resource.setrlimit(resource.RLIMIT_FSIZE, (limit, before[1]))
+        try:
+            return original(*args, **kwargs)
+        finally:
+            resource.setrlimit(resource.RLIMIT_FSIZE, before)
+
+    monkeypatch.setattr(checkpoint, "save", limited_on_the_second)
+    out = tmp_path / "run"
+    previous = signal.signal(signal.SIGXFSZ, signal.SIG_IGN)  # the write then fails with EFBIG, as on a full disk with ENOSPC
+    try:
+        assert train.main(tiny_args(tiny_model_dir, out, "--steps", "3", "--save-every-steps", "1")) == 1
+    finally:
+        signal.signal(signal.SIGXFSZ, previous)
+    err = capsys.readouterr().err.strip().splitlines()[-1]
+    assert err.startswith("error: could not write checkpoint-2 (") and err.endswith("checkpoint-1: free space, then --resume")
+    assert [p.name for p in checkpoint.find(out)] == ["checkpoint-1"] and not list(out.glob(".tmp-*"))
 
 
 def test_an_incomplete_checkpoint_directory_is_left_out_and_resume_takes_the_last_complete_one(tiny_model_dir, tmp_path, caplog, length_rewards):
@@ -899,16 +938,28 @@ def test_write_atomic_leaves_the_old_file_whole_when_the_write_fails(tmp_path):
     path.chmod(0o640)
     checkpoint.write_atomic(path, "new\n")
     assert path.read_text() == "new\n" and list(tmp_path.iterdir()) == [path] and path.stat().st_mode & 0o777 == 0o640
+    with pytest.raises(checkpoint.CheckpointError, match=rf"^could not write {path}/x \(Not a directory\); free space or make it "
+                                                         r"writable, then run again$"):  # an OSError (a full disk too): one line
+        checkpoint.write_atomic(path / "x", "new\n")
 
 
-@pytest.mark.parametrize("name", ["adapter_model.safetensors", "training_state.pt"])
+def test_a_directory_in_the_place_of_metrics_under_resume_auto_stops_in_one_line(tmp_path, capsys):
+    """--resume auto without a checkpoint starts afresh, removing the metrics of a run that died before its first save:
+    a directory there ended in IsADirectoryError's traceback."""
+    (tmp_path / "run" / "metrics.jsonl").mkdir(parents=True)
+    assert train.main(["--out-dir", str(tmp_path / "run"), "--resume", "auto", "--dataset", "arith"]) == 1
+    assert capsys.readouterr().err == (f"error: {tmp_path / 'run' / 'metrics.jsonl'} is a directory, not the run's metrics: move it, "
+                                       f"or choose another --out-dir\n")
+
+
+@pytest.mark.parametrize("name", ["adapter_model.safetensors", "training_state.pt", "trainer_state.json"])
 def test_a_damaged_checkpoint_stops_resume_in_one_line_and_resume_goes_on_once_it_is_deleted(tiny_model_dir, tmp_path, capsys, name, length_rewards):
     """A checkpoint file cut short (a copy interrupted): --resume stops with exit 1 and says what to do, not a
     traceback; deleting the checkpoint as it says resumes from the one before."""
     out = tmp_path / "run"
     assert train.main(tiny_args(tiny_model_dir, out, "--steps", "2", "--save-every-steps", "1")) == 0
     damaged = out / "checkpoint-2" / name
-    damaged.write_bytes(damaged.read_bytes()[:1000])
+    damaged.write_bytes(damaged.read_bytes()[:10])
     capsys.readouterr()
     assert train.main(tiny_args(tiny_model_dir, out, "--steps", "2", "--resume")) == 1
     err = capsys.readouterr().err.strip().splitlines()
@@ -1169,3 +1220,23 @@ def test_refill_resumed_at_step_2_ends_as_an_uninterrupted_run(tiny_model_dir, t
     assert states[0]["data_position"] == states[1]["data_position"] == 2 * sum(r["generation_rounds"] for r in rows)
     a, b = (load_file(run / "checkpoint-3" / "adapter_model.safetensors") for run in (straight, resumed))
     assert all(torch.equal(a[k], b[k]) for k in a)
+
+    # A Ctrl-C during step 2's first round: the step needs a second, which it no longer draws (it trained on fewer groups
+    # than it would have), and the checkpoint of step 1 is saved with step 1's random states, not those of the round
+    # thrown away. --resume then draws step 2 again, as the uninterrupted run did.
+    assert rows[1]["generation_rounds"] == 2
+    original, calls = sampling.generate_and_score, []
+
+    def interrupted_at_step_2(*args):
+        calls.append(1)
+        if len(calls) == rows[0]["generation_rounds"] + 1:
+            os.kill(os.getpid(), signal.SIGINT)
+        return original(*args)
+
+    interrupted = tmp_path / "interrupted"
+    with monkeypatch.context() as patch:
+        patch.setattr(sampling, "generate_and_score", interrupted_at_step_2)
+        assert train.main(tiny_args(tiny_model_dir, interrupted, "--steps", "3", *flags)) == 130
+    assert [r["step"] for r in read_metrics(interrupted)] == [1] and checkpoint.find(interrupted)[-1].name == "checkpoint-1"
+    assert train.main(tiny_args(tiny_model_dir, interrupted, "--steps", "3", *flags, "--resume")) == 0
+    assert untimed(read_metrics(interrupted)) == untimed(rows)

@@ -17,7 +17,6 @@ Usage:
     python train.py --rule none --n 16 --dataset arith         # vanilla GRPO on all n rollouts
     python train.py --resume --out-dir runs/pods               # continue from the last checkpoint
     python train.py --resume auto --out-dir runs/pods          # continue if there is one, else start (torchrun --max-restarts)
-    python benchmark.py --dataset arith                        # time one step's phases, GRPO vs PODS
     torchrun --standalone --nproc_per_node 8 train.py -- --n 128 --m 32 --prompts-per-step 8
                                                                # 8 GPUs, data-parallel (distributed.py)
 
@@ -128,17 +127,19 @@ def train_loop(args, model, tokenizer, optimizer, scheduler, sampler, stream, st
     last_save_s = state["elapsed_s"]
     last_saved_step = state["step"] if resumed else -1  # a fresh run saves at least checkpoint-0
     bar = progress.progress_bar(args, state, world)
-    skipped_in_a_row = 0
+    if state.setdefault("skipped_in_a_row", 0) >= args.max_skipped_steps:  # the run stopped for them; resumed, perhaps with a lower --lr
+        state["skipped_in_a_row"] = 0
     try:
         with open(metrics_path if world.is_main else os.devnull, "a") as metrics_file:
-            while (state["step"] < args.steps and skipped_in_a_row < args.max_skipped_steps
+            while (state["step"] < args.steps and state["skipped_in_a_row"] < args.max_skipped_steps
                    and not distributed.any_rank(stop["requested"], world)):
                 if progress.budget_spent(args, state):
                     log.info("time budget of %g min reached", args.time_budget)
                     break
-                start = time.perf_counter()
+                start, at_start = time.perf_counter(), checkpoint.random_state(rng)
                 step = sample_step(args, sampler, stream, rng, stop, world)  # 1-5, with refill when asked (--uniform-groups)
-                if step is None:
+                if step is None:  # the checkpoint continues as if this step had not begun: --resume draws it again, alike
+                    checkpoint.set_random_state(at_start, rng)
                     log.info("generation stopped by Ctrl-C; saving the last finished step %d", state["step"])
                     break
                 generation_s = time.perf_counter() - start
@@ -148,7 +149,7 @@ def train_loop(args, model, tokenizer, optimizer, scheduler, sampler, stream, st
                     sampler.release_memory()  # --vllm-sleep: vLLM's KV cache is freed for the update
                     update = policy_update(model, optimizer, scheduler, step.kept, step.advantages, update_settings(args),
                                            tokenizer.pad_token_id, rows_in_mean=step.rows_in_mean)
-                    skipped_in_a_row = progress.count_skipped(update, skipped_in_a_row, state["step"] + 1)
+                    state["skipped_in_a_row"] = progress.count_skipped(update, state["skipped_in_a_row"], state["step"] + 1)
                     sampler.update_weights(distributed.unwrap(model))  # 7. vLLM: the new adapter; transformers: the merged copy
                     sampler.wake_up()
                 else:  # no rank has a group to learn from: no backward, no optimizer or scheduler step, no non-finite update
@@ -173,8 +174,8 @@ def train_loop(args, model, tokenizer, optimizer, scheduler, sampler, stream, st
         if state["step"] > last_saved_step:  # decided from the state alone, so every rank agrees
             path = checkpoint.save(out_dir, model, optimizer, scheduler, state, rng, world)
             log.info("saved %s", path)
-        if skipped_in_a_row >= args.max_skipped_steps:
-            raise TrainingError(f"{skipped_in_a_row} updates in a row had a non-finite loss or gradient norm and were skipped; "
+        if state["skipped_in_a_row"] >= args.max_skipped_steps:
+            raise TrainingError(f"{state['skipped_in_a_row']} updates in a row had a non-finite loss or gradient norm and were skipped; "
                                 f"the last good weights are in {out_dir} (checkpoint-{state['step']}): lower --lr or "
                                 f"--max-grad-norm, or pass --no-bf16-autocast, then --resume")
     finally:
@@ -245,8 +246,8 @@ def informative_step(args: Args, sampler, stream: data.PromptStream, rng: np.ran
     rounds = [first]
     informative = [np.concatenate(distributed.gather(first.informative, world))]  # per round, every rank's in rank order
     while (args.uniform_groups == "refill" and sum(map(np.sum, informative)) < args.prompts_per_step
-           and len(rounds) < args.max_refill_rounds and not distributed.any_rank(stop["requested"], world)):
-        another = draw_round(args, sampler, stream, rng, stop, world)
+           and len(rounds) < args.max_refill_rounds):  # a Ctrl-C leaves the step to --resume, not cut short to fewer groups
+        another = None if distributed.any_rank(stop["requested"], world) else draw_round(args, sampler, stream, rng, stop, world)
         if another is None:
             return None
         rounds.append(another)
