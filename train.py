@@ -125,7 +125,7 @@ def train_loop(args, model, tokenizer, optimizer, scheduler, sampler, stream, st
     stop = {"requested": False}
     previous_handlers = {sig: signal.signal(sig, progress.ctrl_c_handler(stop)) for sig in progress.STOP_SIGNALS}
     last_save_s = state["elapsed_s"]
-    last_saved_step = state["step"] if resumed else -1  # a fresh run saves at least checkpoint-0
+    last_saved_step = state["step"] if resumed else -1  # a fresh run stopped before its first step still saves checkpoint-0
     bar = progress.progress_bar(args, state, world)
     if state.setdefault("skipped_in_a_row", 0) >= args.max_skipped_steps:  # the run stopped for them; resumed, perhaps with a lower --lr
         state["skipped_in_a_row"] = 0
