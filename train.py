@@ -209,8 +209,8 @@ class Step:
 
 
 def sample_step(args: Args, sampler, stream: data.PromptStream, rng: np.random.Generator, stop: dict, world: distributed.World) -> Step | None:
-    """Steps 1-5 of Algorithm 1 on this rank; None when a Ctrl-C stopped generation. --uniform-groups skip and refill
-    continue in informative_step. Metrics under keep's names are the first round's, in every mode."""
+    """Steps 1-5 of Algorithm 1 on this rank; None when a Ctrl-C stopped generation, or came while refill needed a round.
+    --uniform-groups skip and refill continue in informative_step. Metrics under keep's names: the first round's, in any mode."""
     first = draw_round(args, sampler, stream, rng, stop, world)  # 1-4. prompts, n rollouts each, scored, m kept of each n
     if first is None:
         return None
