@@ -212,8 +212,8 @@ def is_result_of(result: dict, target: Target, base: str) -> bool:
 
 
 def generation_code() -> dict:
-    """What, besides the settings, decides the text sampled with a seed: the source of sampling.py and decode.py
-    and the versions of the libraries that generate (a new sampler draws another random stream)."""
+    """What, besides the settings, decides the text sampled with a seed: the source of sampling.py, decode.py and
+    vllm_sampler.py and the versions of the libraries that generate (a new sampler draws another random stream)."""
     from importlib import metadata
 
     versions = {}
@@ -221,7 +221,7 @@ def generation_code() -> dict:
         with contextlib.suppress(metadata.PackageNotFoundError):
             versions[package] = metadata.version(package)
     sources = {Path(module.__file__).name: hashlib.sha256(Path(module.__file__).read_bytes()).hexdigest()[:16]
-               for module in (sampling, decode)}
+               for module in (sampling, decode, vllm_sampler)}
     return {**sources, **versions}
 
 

@@ -82,9 +82,9 @@ def test_eval_reuses_the_base_model_result_across_runs(tiny_run, tmp_path, caplo
     assert [r["checkpoint"] for r in again] == ["base", "checkpoint-1", "checkpoint-2"] and again[0] == base
 
 
-@pytest.mark.parametrize("source", ["sampling", "decode"])
+@pytest.mark.parametrize("source", ["sampling", "decode", "vllm_sampler"])
 def test_eval_does_not_reuse_a_base_result_sampled_by_other_generation_code(tmp_path, monkeypatch, source):
-    module = {"sampling": sampling, "decode": decode}[source]
+    module = {"sampling": sampling, "decode": decode, "vllm_sampler": vllm_sampler}[source]
     settings = evaluation.Settings("arith", 4, samples=1, repeats=1, temperature=0.9, max_new_tokens=8)
     same = tmp_path / f"{source}.py"
     same.write_bytes(Path(module.__file__).read_bytes())
@@ -93,7 +93,7 @@ def test_eval_does_not_reuse_a_base_result_sampled_by_other_generation_code(tmp_
     assert evaluation.base_cache_file("model", settings) == before  # the same code: the cached result is reused
     same.write_bytes(same.read_bytes() + b"\n# a changed sampler\n")
     assert evaluation.base_cache_file("model", settings) != before  # a new sampler's random stream: evaluated again
-    assert {"sampling.py", "decode.py", "torch", "transformers"} <= evaluation.generation_code().keys()
+    assert {"sampling.py", "decode.py", "vllm_sampler.py", "torch", "transformers"} <= evaluation.generation_code().keys()
 
 
 def test_eval_does_not_reuse_a_base_result_for_another_file_of_the_same_name(tmp_path, monkeypatch):

@@ -438,6 +438,10 @@ def test_adapter_hand_over_falls_back_to_disk_when_shared_memory_is_small_and_re
         roomy = vllm_sampler.adapter_hand_over_dir(230 * 2**20, tmp_path / "run")
         assert roomy.parent == Path("/dev/shm")
         roomy.rmdir()
+        # room for one process's hand-over, not for 8 ranks' on this machine (each checked alone, all passed, then filled it)
+        monkeypatch.setattr(shutil, "disk_usage", lambda path: SimpleNamespace(free=1024 * 2**20))
+        monkeypatch.setenv("LOCAL_WORLD_SIZE", "8")
+        assert vllm_sampler.adapter_hand_over_dir(230 * 2**20, tmp_path / "run").parent == tmp_path / "run"
 
 
 def install_fake_vllm(monkeypatch, made: list, logprob: float = -1.0):
@@ -575,7 +579,8 @@ def test_vllm_generate_gives_each_prompt_its_own_seed(tiny_model_dir, monkeypatc
     sampler.llm = sys.modules["vllm"].LLM()
     groups = sampler.generate([[1, 2], [3], [4, 5, 6]], 2, seed=7)
     params, _ = sampler.llm.calls[0]
-    assert [p["seed"] for p in params] == [7 * 1_000_003 + i for i in range(3)]
+    seeds = [p["seed"] + j for p in params for j in range(2)]  # each sample's, as vLLM splits a request of n=2
+    assert [p["seed"] for p in params] == [(7 * 1_000_003 + i) * 2 for i in range(3)] and len(set(seeds)) == len(seeds)
     assert [len(g) for g in groups] == [2, 2, 2] and groups[0][0].logprobs is None
 
 

