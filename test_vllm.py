@@ -126,7 +126,7 @@ def test_vllm_generates_with_the_lora_adapter_and_matches_transformers_tempered_
     sampler.set_adapter(None)  # and the base model
     diff, _, diff_base = gaps(sampler.generate(prompts, n=4, logprobs=True))
     assert diff_base < 0.02 < 0.05 < diff
-    assert len(list(sampler.live_dir.iterdir())) == 1  # the previous adapter was deleted
+    assert len(list(sampler.live_dir.glob("v*"))) == 1  # the previous adapters were deleted
     sampler.close()
 
 
@@ -423,7 +423,7 @@ def test_adapter_hand_over_falls_back_to_disk_when_shared_memory_is_small_and_re
 
     dead = subprocess.Popen(["true"])
     dead.wait()
-    stale = tmp_path / f"pods-adapter-{dead.pid}-abc"
+    stale = tmp_path / f"pods-adapter-{dead.pid}-abc"  # made before locks: judged by its process id
     alive = tmp_path / f"pods-adapter-{os.getpid()}-xyz"
     stale.mkdir()
     alive.mkdir()
@@ -431,17 +431,49 @@ def test_adapter_hand_over_falls_back_to_disk_when_shared_memory_is_small_and_re
     assert not stale.exists() and alive.exists()
 
     monkeypatch.setattr(shutil, "disk_usage", lambda path: SimpleNamespace(free=64 * 2**20))  # a container's /dev/shm
-    chosen = vllm_sampler.adapter_hand_over_dir(230 * 2**20, tmp_path / "run")
+    chosen, lock = vllm_sampler.adapter_hand_over_dir(230 * 2**20, tmp_path / "run")
     assert chosen.parent == tmp_path / "run" and chosen.name.startswith(f"pods-adapter-{os.getpid()}-")
+    vllm_sampler.remove_stale_adapter_dirs(tmp_path / "run")
+    assert chosen.exists()  # held by this process: kept
+    vllm_sampler.remove_hand_over_dir(chosen, lock)
     monkeypatch.setattr(shutil, "disk_usage", lambda path: SimpleNamespace(free=2**40))
     if Path("/dev/shm").is_dir() and os.access("/dev/shm", os.W_OK):
-        roomy = vllm_sampler.adapter_hand_over_dir(230 * 2**20, tmp_path / "run")
+        roomy, lock = vllm_sampler.adapter_hand_over_dir(230 * 2**20, tmp_path / "run")
         assert roomy.parent == Path("/dev/shm")
-        roomy.rmdir()
+        vllm_sampler.remove_hand_over_dir(roomy, lock)
         # room for one process's hand-over, not for 8 ranks' on this machine (each checked alone, all passed, then filled it)
         monkeypatch.setattr(shutil, "disk_usage", lambda path: SimpleNamespace(free=1024 * 2**20))
         monkeypatch.setenv("LOCAL_WORLD_SIZE", "8")
-        assert vllm_sampler.adapter_hand_over_dir(230 * 2**20, tmp_path / "run").parent == tmp_path / "run"
+        chosen, lock = vllm_sampler.adapter_hand_over_dir(230 * 2**20, tmp_path / "run")
+        assert chosen.parent == tmp_path / "run"
+        vllm_sampler.remove_hand_over_dir(chosen, lock)
+
+
+def test_adapter_dirs_are_told_live_or_dead_by_their_lock_not_the_process_id_in_their_name(tmp_path):
+    """A container's trainer is PID 1 at every start, so a dead run's directory can carry a live process id;
+    on a disk shared by machines a live directory can carry an id that is not a process here."""
+    dead = subprocess.Popen(["true"])
+    dead.wait()
+    old_run = tmp_path / "pods-adapter-1-old"  # an earlier container's, with the id of a process that exists here
+    (old_run / "v3").mkdir(parents=True)
+    (old_run / ".lock").touch()
+    other = tmp_path / f"pods-adapter-{dead.pid}-other"  # another machine's live run, with an id dead here
+    other.mkdir()
+    holder = subprocess.Popen([sys.executable, "-c", "import fcntl, os, sys, time\n"
+                               "fd = os.open(sys.argv[1], os.O_CREAT | os.O_RDWR)\n"
+                               "fcntl.flock(fd, fcntl.LOCK_EX)\nprint('held', flush=True)\ntime.sleep(120)",
+                               str(other / ".lock")], stdout=subprocess.PIPE, text=True)
+    try:
+        assert holder.stdout.readline().strip() == "held"
+        vllm_sampler.remove_stale_adapter_dirs(tmp_path)
+        assert not old_run.exists() and other.exists()
+        holder.kill()  # SIGKILL: nothing runs in it, the kernel drops its lock
+        holder.wait()
+        vllm_sampler.remove_stale_adapter_dirs(tmp_path)
+        assert not other.exists()
+    finally:
+        holder.kill()
+        holder.wait()
 
 
 def install_fake_vllm(monkeypatch, made: list, logprob: float = -1.0):

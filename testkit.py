@@ -119,9 +119,9 @@ def checkpointed_lora_policy(model_dir: Path, checkpointing: bool, device: str =
 
 
 def engines_adapter_dirs_are_gone() -> bool:
-    """No /dev/shm/pods-adapter-PID-* directory is left by a process that has ended (a live one, e.g.
-    another test's engine in this process, may still hold its own)."""
-    return all(vllm_sampler.process_exists(int(p.name.split("-")[2])) for p in Path("/dev/shm").glob("pods-adapter-*"))
+    """No /dev/shm/pods-adapter-* directory is left that no process holds (a live one, e.g. another
+    test's engine in this process, may still hold its own)."""
+    return not any(vllm_sampler.adapter_dir_is_stale(p) for p in Path("/dev/shm").glob("pods-adapter-*"))
 
 
 def vllm_build() -> str | None:

