@@ -371,13 +371,18 @@ def run_config(path: str | Path) -> dict:
 
 def parse_limit(text: str | None, dataset: str) -> int | None:
     """--limit as a count of questions, None for all: by default all of gsm8k's or a .jsonl file's
-    test set (the authors' protocol), ARITH_LIMIT of arith's."""
+    test set (the authors' protocol), ARITH_LIMIT of arith's. A count that covers the test set is None
+    too, so that its results are stored and compared as the whole set's, which they are."""
     if text is None:
         return ARITH_LIMIT if data.arith_levels(dataset) is not None else None
     if text == "all":
         return None
     if not text.isdigit() or int(text) < 1:
         raise EvalError(f"--limit {text} must be a number >= 1 or 'all'")
+    size = len(data.load_examples(dataset, "test"))
+    if int(text) >= size:
+        log.info("--limit %s covers the whole test set (%d questions): evaluating all of it", text, size)
+        return None
     return int(text)
 
 

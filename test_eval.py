@@ -136,7 +136,7 @@ def test_eval_defaults_to_the_runs_generation_settings_and_redoes_retrained_chec
 def test_eval_refuses_results_made_with_other_settings(tiny_run, capsys):
     argv = [str(tiny_run), "--dataset", "arith", "--limit", "3", "--repeats", "2", "--max-new-tokens", "4", "--out", str(tiny_run / "other.json")]
     assert evaluation.main(argv) == 0
-    assert evaluation.main([*argv[:2], "gsm8k", *argv[3:]]) == 2
+    assert evaluation.main([*argv[:2], "arith:1", *argv[3:]]) == 2
     assert "holds results made with other settings {'dataset': 'arith'}" in capsys.readouterr().err
 
 
@@ -431,10 +431,16 @@ def test_plot_rejects_a_target_frac_outside_0_to_1_in_one_line(frac, tmp_path, c
     assert capsys.readouterr().err == f"error: --target-frac {float(frac)} must be in (0, 1]: a share of the baseline's peak accuracy\n"
 
 
-def test_eval_limit_defaults_to_the_whole_test_set_for_gsm8k_and_jsonl_and_200_for_arith():
+def test_eval_limit_defaults_to_the_whole_test_set_for_gsm8k_and_jsonl_and_200_for_arith(tmp_path):
     assert evaluation.parse_limit(None, "gsm8k") is None and evaluation.parse_limit(None, "data/test.jsonl") is None
     assert evaluation.parse_limit(None, "arith") == 200 and evaluation.parse_limit(None, "arith:12") == 200
-    assert evaluation.parse_limit("all", "arith") is None and evaluation.parse_limit("50", "gsm8k") == 50
+    assert evaluation.parse_limit("all", "arith") is None and evaluation.parse_limit("50", "arith") == 50
+    # a count that covers the test set is the whole set, stored as --limit all's (not as 5000 questions)
+    test = tmp_path / "test.jsonl"
+    test.write_text("".join(json.dumps({"question": f"{i} + 1?", "answer": str(i + 1)}) + "\n" for i in range(3)))
+    assert evaluation.parse_limit("2", str(test)) == 2
+    assert evaluation.parse_limit("3", str(test)) is None and evaluation.parse_limit("5000", str(test)) is None
+    assert evaluation.parse_limit("500", "arith") is None
     for bad in ("0", "-3", "ten"):
         with pytest.raises(evaluation.EvalError, match=f"^--limit {bad} must be a number >= 1 or 'all'$"):
             evaluation.parse_limit(bad, "gsm8k")
