@@ -140,17 +140,17 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     try:
         waiting = [name for name, *runs in args.comparison if not runs]  # part-way: no evaluated pair yet
-        given = [(name, [Path(p) for p in runs]) for name, *runs in args.comparison if runs]
+        given = [(name, [Path(p).expanduser() for p in runs]) for name, *runs in args.comparison if runs]
         if not given:
             raise PlotError(f"no runs to read for {', '.join(waiting)}: pass each --comparison its evaluated runs")
         results_file = evaluation.results_name(args.dataset) if args.dataset else None
-        reference = [Path(p) for p in args.reference_runs]
+        reference = [Path(p).expanduser() for p in args.reference_runs]
         clock = ReferenceClock(reference)
         panels = [(name, compare(runs, results_file, None, clock)) for name, runs in given]
         lines = [f"{name}: no evaluated runs yet" for name in waiting]
         for (name, comparison), (_, runs) in zip(panels, given):
             lines += [*reading(name, comparison), *pricing_lines(name, runs, results_file, reference), ""]
-        draw(panels, Path(args.out))
+        draw(panels, Path(args.out).expanduser())
         print("\n".join(lines) + f"figure: {args.out}")
     except PlotError as err:
         print(f"error: {err}", file=sys.stderr)

@@ -270,8 +270,8 @@ def main(argv: list[str] | None = None) -> int:
         if not 0 < args.target_frac <= 1:
             raise PlotError(f"--target-frac {args.target_frac} must be in (0, 1]: a share of the baseline's peak accuracy")
         results_file = evaluation.results_name(args.dataset) if args.dataset else None
-        print(report([Path(p) for p in args.runs], Path(args.out), results_file, args.baseline, args.target_frac,
-                     [Path(p) for p in args.reference_runs] if args.reference_runs else None))
+        print(report([Path(p).expanduser() for p in args.runs], Path(args.out).expanduser(), results_file, args.baseline, args.target_frac,
+                     [Path(p).expanduser() for p in args.reference_runs] if args.reference_runs else None))
         print(f"figure: {args.out}")
     except PlotError as err:
         print(f"error: {err}", file=sys.stderr)

@@ -135,13 +135,16 @@ def test_mean_accuracy_difference_is_paired_with_a_t_interval_and_counts_the_see
     assert (d["higher"], d["seeds"]) == (2, 3) and d["sign_p"] == pytest.approx(0.5)  # a tie is left out: 2 of 2, p = 2 / 4
 
 
-def test_report_prints_each_runs_step_costs_beside_the_speedup_table(tmp_path, capsys):
+def test_report_prints_each_runs_step_costs_beside_the_speedup_table(tmp_path, capsys, monkeypatch):
     grpo_run = fake_run(tmp_path, "grpo", "none", 8, 8, [(0, 0.2), (120, 0.4), (240, 0.6)])
     pods_run = fake_run(tmp_path, "pods", "max_variance", 16, 8, [(0, 0.2), (60, 0.5), (120, 0.65), (240, 0.66)])
     never = fake_run(tmp_path, "rand", "random", 16, 8, [(0, 0.2), (60, 0.3), (120, 0.35), (240, 0.36)])
     (pods_run / "metrics.jsonl").write_text("".join(json.dumps({"step": s, "elapsed_s": 30.0 * s, "generation_s": 20.0,
                                                                  "update_s": 10.0}) + "\n" for s in (1, 2, 3, 4)))
-    assert report.main([str(grpo_run), str(pods_run), str(never), "--out", str(tmp_path / "fig.png")]) == 0
+    monkeypatch.setenv("HOME", str(tmp_path))  # and "~/" is the home directory, after "=" too (where the shell leaves it)
+    home_pods = "~/" + str(pods_run.relative_to(tmp_path))
+    assert report.main([str(grpo_run), home_pods, str(never), "--out=~/fig.png"]) == 0
+    assert (tmp_path / "fig.png").exists()
     out = capsys.readouterr().out
     assert "pods                              4          20.0      10.0    30.0         30.0      1.00" in out  # its step costs
 
@@ -438,7 +441,7 @@ def test_reference_clock_prices_a_step_at_its_settings_mean_or_counts_plain_step
         ReferenceClock([tmp_path / "ref"], "seconds")
 
 
-def test_headline_reads_each_comparison_with_t_and_exact_intervals_and_draws_one_panel_each(tmp_path, capsys):
+def test_headline_reads_each_comparison_with_t_and_exact_intervals_and_draws_one_panel_each(tmp_path, capsys, monkeypatch):
     """reproduce/headline.py on three constructed seeds (each step 3 s on the clock, the first 10 s): PODS is
     ahead by 0.4, 0.2 and 0.0 at step 10 (37 s) and level from step 20; a comparison with no runs yet waits."""
     rows = [{"completion_len": 20.0, "truncated_frac": 0.0}] * 40
@@ -449,7 +452,9 @@ def test_headline_reads_each_comparison_with_t_and_exact_intervals_and_draws_one
             write_constructed_run(tmp_path / f"{name}-s{seed}", {**config, "seed": seed}, rows, list(zip((0, 10, 20, 30), curve)))
             runs.append(str(tmp_path / f"{name}-s{seed}"))
     figure = tmp_path / "paired.png"
-    assert headline.main(["--dataset", "arith:2", "--out", str(figure), "--reference-runs", *runs,
+    monkeypatch.setenv("HOME", str(tmp_path))  # "~/" is the home directory, after "=" too
+    runs[0] = "~/" + str(Path(runs[0]).relative_to(tmp_path))
+    assert headline.main(["--dataset", "arith:2", "--out=~/paired.png", "--reference-runs", *runs,
                           "--comparison", "equal rollouts generated", *runs, "--comparison", "equal rollouts updated"]) == 0
     out = capsys.readouterr().out.splitlines()
     assert out[0] == "equal rollouts updated: no evaluated runs yet" and figure.exists()
