@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import errno
 import itertools
 import json
 import logging
@@ -449,7 +450,7 @@ def test_adapter_hand_over_falls_back_to_disk_when_shared_memory_is_small_and_re
         vllm_sampler.remove_hand_over_dir(chosen, lock)
 
 
-def test_adapter_dirs_are_told_live_or_dead_by_their_lock_not_the_process_id_in_their_name(tmp_path):
+def test_adapter_dirs_are_told_live_or_dead_by_their_lock_not_the_process_id_in_their_name(tmp_path, monkeypatch):
     """A container's trainer is PID 1 at every start, so a dead run's directory can carry a live process id;
     on a disk shared by machines a live directory can carry an id that is not a process here."""
     dead = subprocess.Popen(["true"])
@@ -474,6 +475,14 @@ def test_adapter_dirs_are_told_live_or_dead_by_their_lock_not_the_process_id_in_
     finally:
         holder.kill()
         holder.wait()
+
+    def no_locks(fd, operation):
+        raise OSError(errno.ENOLCK, "No locks available")
+
+    monkeypatch.setattr(vllm_sampler.fcntl, "flock", no_locks)  # a file system without locks: the process id decides
+    unlocked, lock = vllm_sampler.locked_dir(tmp_path)
+    assert not (unlocked / ".lock").exists() and not vllm_sampler.adapter_dir_is_stale(unlocked)
+    vllm_sampler.remove_hand_over_dir(unlocked, lock)
 
 
 def install_fake_vllm(monkeypatch, made: list, logprob: float = -1.0):

@@ -136,7 +136,10 @@ def locked_dir(root: Path) -> tuple[Path, int]:
     under another name and renamed once locked, so no other process sees it unlocked."""
     new = Path(tempfile.mkdtemp(prefix=".pods-adapter-new-", dir=root))
     fd = os.open(new / ".lock", os.O_CREAT | os.O_RDWR, 0o600)
-    fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except OSError:  # a file system without locks: no lock file, so the process id in the name decides
+        os.unlink(new / ".lock")
     path = root / f"{ADAPTER_DIR_PREFIX}{os.getpid()}-{new.name.rsplit('-', 1)[1]}"
     new.rename(path)
     return path, fd
@@ -150,8 +153,8 @@ def remove_stale_adapter_dirs(root: Path) -> None:
 
 
 def adapter_dir_is_stale(path: Path) -> bool:
-    """Whether no process holds the directory's lock (one without a lock, from before locks: whether the
-    process its name holds has ended)."""
+    """Whether no process holds the directory's lock (one without a lock, made before locks or on a file
+    system without them: whether the process its name holds has ended)."""
     try:
         fd = os.open(path / ".lock", os.O_RDWR)
     except FileNotFoundError:
@@ -162,7 +165,7 @@ def adapter_dir_is_stale(path: Path) -> bool:
     try:
         fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)  # a new open file: it conflicts even with this process's own lock
         return True
-    except BlockingIOError:
+    except OSError:  # held (BlockingIOError), or the file system cannot tell
         return False
     finally:
         os.close(fd)
