@@ -173,12 +173,21 @@ def merged_dtype(args) -> torch.dtype:
     return torch.bfloat16 if args.bf16_autocast or args.bf16_weights else torch.float32
 
 
-def check_gpus_per_node(device: str, world: distributed.World) -> None:
-    """Under torchrun on GPUs each rank takes the GPU numbered by its LOCAL_RANK: refuse more processes on
-    a machine than it has GPUs (every rank raises, rank 0 says it) instead of CUDA's 'invalid device ordinal'."""
-    if device != "cuda" or not world.launched:
+def check_torchrun(device: str, world: distributed.World) -> None:
+    """What torchrun must give the ranks before they meet (every rank raises, rank 0 says it):
+    - on GPUs, a GPU for each process on a machine (each rank takes the one numbered by its LOCAL_RANK),
+      instead of CUDA's 'invalid device ordinal';
+    - on several nodes with --max-restarts, a fresh store for each restart: in the one store torchrun's
+      agents share by default, a restarted rank can read the dead attempt's addresses, and the attempt
+      cannot be told apart there, since each node's agent counts restarts for itself (distributed.start)."""
+    if not world.launched:
         return
     gpus, per_node = torch.cuda.device_count(), int(os.environ.get("LOCAL_WORLD_SIZE", 1))
-    if per_node > gpus:
+    if device == "cuda" and per_node > gpus:
         raise UsageError(f"torchrun started {per_node} processes on this machine but it has {gpus} GPU(s): "
                          f"run one process per GPU (--nproc_per_node {gpus})")
+    nodes, restarts = int(os.environ.get("GROUP_WORLD_SIZE", 1)), int(os.environ.get("TORCHELASTIC_MAX_RESTARTS", 0))
+    if nodes > 1 and restarts > 0 and os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True":
+        raise UsageError(f"torchrun on {nodes} nodes with --max-restarts {restarts}: start it with "
+                         "TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1 on every node, so that each restart meets in a "
+                         "fresh store (in the shared one a restarted rank may wait for the others forever)")

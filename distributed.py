@@ -61,14 +61,18 @@ def world_from_env() -> World:
 def start(world: World) -> None:
     """Join the other ranks: NCCL between GPUs (one per rank, by LOCAL_RANK), gloo between CPUs.
 
-    The ranks meet through torchrun's store, under a prefix that names the attempt: with
+    The ranks meet through torchrun's store. On one node, under a prefix that names the attempt: with
     `--max-restarts` torchrun restarts all ranks against the same store, where the failed attempt's
     ranks left their addresses, and a restarted rank could read those instead of its new peers'
-    (seen with gloo: "connectFullMesh failed ... Connection refused" in 2 of 5 restarts)."""
+    (seen with gloo: "connectFullMesh failed ... Connection refused" in 2 of 5 restarts). On several
+    nodes each node's agent counts restarts for itself (one whose ranks were healthy counts none), so
+    ranks would wait under different prefixes forever: there restarts need a fresh store each time
+    (TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1, which config.check_torchrun asks for)."""
     if not world.launched or dist.is_initialized():
         return
     store, _, _ = next(dist.rendezvous("env://"))
-    store = dist.PrefixStore(f"pods-attempt-{os.environ.get('TORCHELASTIC_RESTART_COUNT', '0')}", store)
+    if os.environ.get("GROUP_WORLD_SIZE", "1") == "1":  # one node: one agent, whose restart count every rank shares
+        store = dist.PrefixStore(f"pods-attempt-{os.environ.get('TORCHELASTIC_RESTART_COUNT', '0')}", store)
     if torch.cuda.is_available():
         torch.cuda.set_device(world.local_rank)  # "cuda" now means this rank's GPU
         dist.init_process_group("nccl", store=store, rank=world.rank, world_size=world.size,

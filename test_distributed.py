@@ -16,6 +16,7 @@ import pytest
 import torch
 
 import checkpoint
+import config
 import data
 import distributed
 import model as models
@@ -75,6 +76,75 @@ def test_torchrun_with_more_processes_than_gpus_is_refused_in_one_line(tiny_mode
     err = capsys.readouterr().err.strip()
     assert err == "error: torchrun started 2 processes on this machine but it has 1 GPU(s): run one process per GPU (--nproc_per_node 1)"
     assert not out.exists()
+
+
+def test_torchrun_on_several_nodes_with_restarts_in_the_shared_store_is_refused_in_one_line(tiny_model_dir, tmp_path, monkeypatch, capsys):
+    """Each node's torchrun agent counts restarts for itself, so in the one store the agents share the ranks of a
+    restart cannot tell the attempts apart (the next test): refused before the run directory is made."""
+    for name, value in dict(RANK="0", WORLD_SIZE="2", LOCAL_RANK="0", LOCAL_WORLD_SIZE="1", GROUP_WORLD_SIZE="2",
+                            TORCHELASTIC_MAX_RESTARTS="3", TORCHELASTIC_USE_AGENT_STORE="True").items():
+        monkeypatch.setenv(name, value)
+    out = tmp_path / "run"
+    assert train.main(tiny_args(tiny_model_dir, out, "--steps", "1", "--prompts-per-step", "2")) == 2
+    assert capsys.readouterr().err.strip() == (
+        "error: torchrun on 2 nodes with --max-restarts 3: start it with TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1 on every "
+        "node, so that each restart meets in a fresh store (in the shared one a restarted rank may wait for the others forever)")
+    assert not out.exists()
+    world = distributed.world_from_env()
+    for allowed in (dict(TORCHELASTIC_USE_AGENT_STORE="False"), dict(TORCHELASTIC_MAX_RESTARTS="0"), dict(GROUP_WORLD_SIZE="1")):
+        with monkeypatch.context() as env:
+            for name, value in allowed.items():
+                env.setenv(name, value)
+            config.check_torchrun("cpu", world)
+
+
+TWO_NODES_WORKER = """
+import os, sys, time
+sys.path.insert(0, {project!r})
+import torch, torch.distributed as dist
+import config, distributed
+world = distributed.world_from_env()
+config.check_torchrun("cpu", world)
+distributed.start(world)
+total = torch.ones(1)
+dist.all_reduce(total)
+print(f"node {{os.environ['NODE']}} attempt {{os.environ['TORCHELASTIC_RESTART_COUNT']}}: {{total.item():g}} ranks", flush=True)
+if not os.path.exists({fault!r}):
+    if os.environ["NODE"] == "A":
+        open({fault!r}, "w").close()
+        os.kill(os.getpid(), 9)  # a fault on node A
+    time.sleep(60)  # node B: healthy, busy; its agent restarts it when A's comes back
+distributed.finish(world)
+"""
+
+
+def test_two_nodes_restart_after_a_fault_on_one_and_meet_again_in_a_fresh_store(tmp_path):
+    """Two torchrun agents on this machine stand for two nodes (docs/multi-gpu.md's command, with
+    TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1 and --max-restarts 1). Node A's rank is killed; its agent counts
+    a restart and node B's, whose rank was healthy, does not, so the ranks start again as attempts 1 and 0.
+    They meet all the same (a prefix naming the attempt kept them waiting for each other forever)."""
+    import socket
+
+    with socket.socket() as sock:
+        sock.bind(("localhost", 0))
+        port = sock.getsockname()[1]
+    worker = tmp_path / "worker.py"
+    worker.write_text(TWO_NODES_WORKER.format(project=str(Path(__file__).parent), fault=str(tmp_path / "faulted")))
+    torchrun = str(Path(sys.executable).with_name("torchrun"))
+    nodes = {node: subprocess.Popen([torchrun, "--nnodes", "2", "--nproc-per-node", "1", "--rdzv-backend", "c10d",
+                                     "--rdzv-endpoint", f"localhost:{port}", "--rdzv-id", "two-nodes", "--max-restarts", "1",
+                                     "--log-dir", str(tmp_path / f"logs-{node}"), str(worker)],
+                                    env=os.environ | {"NODE": node, "TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1"},
+                                    stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+             for node in "AB"}
+    try:
+        outputs = {node: process.communicate(timeout=120) for node, process in nodes.items()}
+    finally:
+        for process in nodes.values():
+            process.kill()
+    assert [nodes[node].returncode for node in "AB"] == [0, 0], outputs
+    assert outputs["A"][0].splitlines() == ["node A attempt 0: 2 ranks", "node A attempt 1: 2 ranks"]
+    assert outputs["B"][0].splitlines() == ["node B attempt 0: 2 ranks", "node B attempt 0: 2 ranks"]
 
 
 RANK_0_LATE = """

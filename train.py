@@ -293,7 +293,7 @@ def train(args: Args, world: distributed.World = distributed.World()) -> Path:
     resuming = checkpoint.continues(args.resume, out_dir, found)
     if resuming:
         checkpoint.check_resume_config(out_dir, args, world.size, found[-1])
-    config.check_gpus_per_node(device, world)
+    config.check_torchrun(device, world)
     checkpoint.make_out_dir(out_dir)
     distributed.start(world)  # torchrun: meet the other ranks (every rank has passed the checks above)
     distributed.barrier(world)  # ... before rank 0 writes anything into out_dir
