@@ -43,9 +43,10 @@ grpo_trainer.py 2487-2498), so a kept truncated row counts 0 tokens here as ther
 
 Logging: TRL's `reward`, `reward_std`, `frac_reward_zero_std`, `rewards/<func>/mean|std`, the
 `completions/*` lengths, `num_tokens` and the completions table (with TRL's advantages) describe all
-n generated rollouts; `pods/reward`, `pods/reward_std` and `pods/frac_reward_zero_std` the m kept, each
-computed as its TRL namesake (trl 1.16.0 grpo_trainer.py 2828-2830). So `reward_std` is the sample std
-of all the batch's rewards pooled; `pods/group_reward_std` is the mean within-group std of the kept rewards
+n generated rollouts; `pods/reward` and `pods/reward_std` the m kept, each computed as its TRL namesake
+(trl 1.16.0 grpo_trainer.py 2828-2830), and `pods/frac_reward_zero_std` the share of groups whose kept
+rewards are all equal (where their advantages are 0; TRL's tests the std with torch.isclose, 1e-8 from 0).
+So `reward_std` is the sample std of all the batch's rewards pooled; `pods/group_reward_std` is the mean within-group std of the kept rewards
 (what max_variance maximizes), the quantity train.py logs as `kept_reward_std`.
 
 Not saved: TRL computes old log-probs (with vLLM's importance sampling, or when
