@@ -140,8 +140,9 @@ def test_two_nodes_restart_after_a_fault_on_one_and_meet_again_in_a_fresh_store(
     try:
         outputs = {node: process.communicate(timeout=120) for node, process in nodes.items()}
     finally:
-        for process in nodes.values():
-            process.kill()
+        for process in nodes.values():  # SIGTERM: an agent then ends its ranks (they run in their own sessions,
+            process.terminate()         # where a SIGKILL of the agent would leave them waiting)
+            process.wait(timeout=60)
     assert [nodes[node].returncode for node in "AB"] == [0, 0], outputs
     assert outputs["A"][0].splitlines() == ["node A attempt 0: 2 ranks", "node A attempt 1: 2 ranks"]
     assert outputs["B"][0].splitlines() == ["node B attempt 0: 2 ranks", "node B attempt 0: 2 ranks"]
