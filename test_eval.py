@@ -291,7 +291,7 @@ def test_plot_takes_seeds_of_another_precision_but_refuses_a_seed_split_between_
         assert "train and evaluate them alike" in err and len(err.strip().splitlines()) == 1
 
 
-def test_plot_refuses_in_one_line_what_it_cannot_read_honestly(tmp_path, capsys):
+def test_plot_refuses_in_one_line_what_it_cannot_read_honestly(tmp_path, capsys, monkeypatch):
     """A seed passed twice (the same run, or a copy) would count as two seeds; a run evaluated at its base model only
     would be a curve of one point; a damaged results file, a figure name matplotlib would change, and several modes
     at once each stop with what to do, before anything is drawn."""
@@ -315,11 +315,12 @@ def test_plot_refuses_in_one_line_what_it_cannot_read_honestly(tmp_path, capsys)
                              f"tool's); evaluate again: python eval.py {edited} --force")):
         assert evaluation.main(["--plot", *map(str, runs), "--out", png]) == 2
         assert capsys.readouterr().err == f"error: {expected}\n"
+    monkeypatch.chdir(tmp_path)  # a relative --out lands here (not where the tests run, which may hold a user's fig.png)
     for out in ("fig", "fig.xyz", "fig.pgf", str(tmp_path)):
         for mode in (["--plot", str(grpo), str(pods)], ["--plot-train", str(grpo)]):
             assert evaluation.main([*mode, "--out", out]) == 2
             assert capsys.readouterr().err.startswith(f"error: --out {out}")
-    assert not (tmp_path / "fig.png").exists() and not Path("fig.png").exists()
+    assert list(tmp_path.glob("fig*")) == []
     assert evaluation.main([str(grpo), "--plot", str(grpo), str(pods)]) == 2
     assert "give one of PATH (evaluate it), --plot RUN_DIR ... or --plot-train RUN_DIR ..., not several" in capsys.readouterr().err
 
