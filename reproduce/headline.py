@@ -25,6 +25,7 @@ runs it (PLAN=plateau STAGES=report); by hand:
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 from pathlib import Path
 
@@ -130,27 +131,28 @@ def draw(panels: list[tuple[str, Comparison]], out: Path) -> None:
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    home = os.path.expanduser  # a path's leading "~", as eval.py: the shell leaves "--out=~/f.png" as typed
     parser.add_argument("--comparison", nargs="+", action="append", required=True, metavar=("NAME", "RUN_DIR"),
                         help="a comparison's name, then its evaluated runs (two settings, the same seeds; none: it waits); "
                              "once per comparison")
-    parser.add_argument("--reference-runs", nargs="+", metavar="RUN_DIR", required=True,
+    parser.add_argument("--reference-runs", nargs="+", metavar="RUN_DIR", required=True, type=home,
                         help="the reference clock's runs (report.py --reference-runs)")
     parser.add_argument("--dataset", default=None, help="whose evaluation to read, as eval.py's --dataset [each run's only eval-*.json]")
-    parser.add_argument("--out", default="paired_differences.png", help="figure PNG")
+    parser.add_argument("--out", default="paired_differences.png", type=home, help="figure PNG")
     args = parser.parse_args(argv)
     try:
         waiting = [name for name, *runs in args.comparison if not runs]  # part-way: no evaluated pair yet
-        given = [(name, [Path(p).expanduser() for p in runs]) for name, *runs in args.comparison if runs]
+        given = [(name, [Path(home(p)) for p in runs]) for name, *runs in args.comparison if runs]  # (NAME shares the flag)
         if not given:
             raise PlotError(f"no runs to read for {', '.join(waiting)}: pass each --comparison its evaluated runs")
         results_file = evaluation.results_name(args.dataset) if args.dataset else None
-        reference = [Path(p).expanduser() for p in args.reference_runs]
+        reference = [Path(p) for p in args.reference_runs]
         clock = ReferenceClock(reference)
         panels = [(name, compare(runs, results_file, None, clock)) for name, runs in given]
         lines = [f"{name}: no evaluated runs yet" for name in waiting]
         for (name, comparison), (_, runs) in zip(panels, given):
             lines += [*reading(name, comparison), *pricing_lines(name, runs, results_file, reference), ""]
-        draw(panels, Path(args.out).expanduser())
+        draw(panels, Path(args.out))
         print("\n".join(lines) + f"figure: {args.out}")
     except PlotError as err:
         print(f"error: {err}", file=sys.stderr)

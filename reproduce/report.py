@@ -16,6 +16,7 @@ from __future__ import annotations
 import argparse
 import json
 import math
+import os
 import sys
 from pathlib import Path
 
@@ -256,13 +257,14 @@ def report(run_dirs: list[Path], out: Path, results_file: str | None, baseline: 
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("runs", nargs="+", metavar="RUN_DIR", help="evaluated runs (python eval.py RUN_DIR) of two settings or more")
+    home = os.path.expanduser  # a path's leading "~", as eval.py: the shell leaves "--out=~/f.png" as typed
+    parser.add_argument("runs", nargs="+", metavar="RUN_DIR", type=home, help="evaluated runs (python eval.py RUN_DIR) of two settings or more")
     parser.add_argument("--dataset", default=None, help="whose evaluation to read, as eval.py's --dataset [each run's only eval-*.json]")
-    parser.add_argument("--out", default="accuracy_vs_time.png", help="figure PNG")
+    parser.add_argument("--out", default="accuracy_vs_time.png", type=home, help="figure PNG")
     parser.add_argument("--baseline", default=None, help="label of the baseline curve [the GRPO run]")
     parser.add_argument("--target-frac", type=float, default=TARGET_FRAC,
                         help="speed-up target, a share of the baseline's peak accuracy; 1 = the peak itself [0.99, the authors']")
-    parser.add_argument("--reference-runs", nargs="+", metavar="RUN_DIR", default=None,
+    parser.add_argument("--reference-runs", nargs="+", metavar="RUN_DIR", default=None, type=home,
                         help="time every step as these runs' machine took such a step (per setting, fit on "
                              "their metrics.jsonl), not by each run's own clock: for runs trained on machines of different speeds")
     args = parser.parse_args(argv)
@@ -270,8 +272,8 @@ def main(argv: list[str] | None = None) -> int:
         if not 0 < args.target_frac <= 1:
             raise PlotError(f"--target-frac {args.target_frac} must be in (0, 1]: a share of the baseline's peak accuracy")
         results_file = evaluation.results_name(args.dataset) if args.dataset else None
-        print(report([Path(p).expanduser() for p in args.runs], Path(args.out).expanduser(), results_file, args.baseline, args.target_frac,
-                     [Path(p).expanduser() for p in args.reference_runs] if args.reference_runs else None))
+        print(report([Path(p) for p in args.runs], Path(args.out), results_file, args.baseline, args.target_frac,
+                     [Path(p) for p in args.reference_runs] if args.reference_runs else None))
         print(f"figure: {args.out}")
     except PlotError as err:
         print(f"error: {err}", file=sys.stderr)
