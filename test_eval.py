@@ -6,7 +6,9 @@ from __future__ import annotations
 import inspect
 import json
 import math
+import os
 import shutil
+import signal
 from pathlib import Path
 
 import numpy as np
@@ -604,21 +606,37 @@ def test_plot_takes_the_baseline_it_is_given(tmp_path, capsys):
     assert "baseline PODS max_variance n=16 m=8: peak 0.650" in capsys.readouterr().out
 
 
-def test_eval_interrupted_keeps_the_checkpoints_it_finished(tiny_run, tmp_path, monkeypatch, capsys):
+@pytest.mark.parametrize("sig", [signal.SIGINT, signal.SIGTERM])
+def test_eval_interrupted_keeps_the_checkpoints_it_finished_and_says_which(tiny_run, tmp_path, monkeypatch, capsys, caplog, sig):
+    """A Ctrl-C, or a scheduler's SIGTERM (which ended eval.py with 143 and no word), stops it with 130 and one line naming
+    what is saved; a signal before any checkpoint finished said "every checkpoint evaluated so far is saved" too."""
     original, calls = evaluation.evaluate_target, []
 
     def interrupted(*args, **kwargs):
         calls.append(1)
-        if len(calls) == 2:
-            raise KeyboardInterrupt
+        if len(calls) == stop_at:
+            os.kill(os.getpid(), sig)
         return original(*args, **kwargs)
 
     monkeypatch.setattr(evaluation, "evaluate_target", interrupted)
     out = tmp_path / "eval.json"
     argv = [str(tiny_run), "--dataset", "arith", "--limit", "2", "--repeats", "1", "--max-new-tokens", "3", "--out", str(out), "--force"]
+    stop_at = 2
     assert evaluation.main(argv) == 130
-    assert capsys.readouterr().err.strip().splitlines()[-1].startswith("interrupted: the results of every checkpoint evaluated so far are saved")
+    assert capsys.readouterr().err.strip().splitlines()[-1] == f"interrupted: base saved in {out}; run again (without --force) for the rest"
     assert [r["checkpoint"] for r in json.loads(out.read_text())["results"]] == ["base"]
+    assert signal.getsignal(signal.SIGTERM) == signal.SIG_DFL  # as it was before main
+    calls.clear()
+    stop_at, out = 1, tmp_path / "none.json"
+    assert evaluation.main([*argv[:-3], "--out", str(out), "--force"]) == 130
+    assert capsys.readouterr().err.strip().splitlines()[-1] == "interrupted: no checkpoint was evaluated this time"
+    assert not out.exists()
+
+
+def test_a_missing_dataset_is_refused_before_anything_is_counted(tiny_run, tmp_path, capsys, caplog):
+    assert evaluation.main([str(tiny_run), "--dataset", str(tmp_path / "test.jsonl"), "--out", str(tmp_path / "r.json")]) == 2
+    assert capsys.readouterr().err.startswith(f"error: dataset file {tmp_path / 'test.jsonl'} does not exist")
+    assert "to evaluate" not in caplog.text
 
 
 def test_plot_train_draws_a_runs_training_curves_from_its_metrics_alone(tiny_run, tmp_path, capsys):

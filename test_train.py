@@ -237,6 +237,17 @@ def test_the_start_line_names_what_the_cpu_profile_chose_and_no_more():
     assert " on 2 processes (DDP)" in line([], distributed.World(size=2, launched=True))
 
 
+def test_the_cpu_profiles_completion_length_on_gsm8k_style_data_is_warned_about(caplog):
+    """The CPU profile's 32 new tokens suit arith; on GSM8K they cut off nearly every solution (a new user's run learned
+    nothing, without a word). A length given, a GPU's 512 or arith: no warning."""
+    for argv, device, warned in ((["--dataset", "gsm8k"], "cpu", True), (["--dataset", "t.jsonl"], "cpu", True), ([], "cpu", False),
+                                 (["--dataset", "arith:3"], "cpu", False), (["--dataset", "gsm8k", "--max-new-tokens", "32"], "cpu", False),
+                                 (["--dataset", "gsm8k"], "cuda", False)):
+        caplog.clear()
+        config.resolve(config.parse_args(train.Args, argv), device)
+        assert ("--max-new-tokens 32, the CPU profile's (sized for arith), cuts most GSM8K-style" in caplog.text) == warned, argv
+
+
 def test_gsm8k_with_no_hub_fails_at_once_with_what_to_pass(monkeypatch):
     import socket
 
@@ -355,6 +366,21 @@ def test_bad_input_exits_2_with_one_line(argv, message, tmp_path, capsys):
     assert train.main([*argv, "--out-dir", str(tmp_path / "run")]) == 2
     err = capsys.readouterr().err.strip()
     assert err.startswith("error: ") and message in err and "\n" not in err
+    assert not (tmp_path / "run").exists()  # a missing dataset or model path left an empty --out-dir behind
+
+
+@pytest.mark.parametrize("argv", [["--lr", "abc"], ["--n", "1.5"], ["--rule"], ["--bogus", "1"]])
+def test_a_flag_argparse_cannot_read_exits_2_with_one_line_not_the_usage(argv, capsys):
+    """argparse printed its whole usage (about 40 lines for train.py) before the error; now the error alone, in
+    train.py, benchmark.py and eval.py."""
+    import benchmark
+    import eval as evaluation
+
+    for main in (train.main, benchmark.main, evaluation.main):
+        with pytest.raises(SystemExit) as stop:
+            main(argv)
+        err = capsys.readouterr().err
+        assert stop.value.code == 2 and err.count("\n") == 1 and err.endswith(" (--help lists the flags)\n"), err
 
 
 def test_auto_model_that_cannot_load_stops_in_one_line_instead_of_training_another(tmp_path, monkeypatch, capsys):

@@ -294,13 +294,13 @@ def train(args: Args, world: distributed.World = distributed.World()) -> Path:
     if resuming:
         checkpoint.check_resume_config(out_dir, args, world.size, found[-1])
     config.check_torchrun(device, world)
+    examples = data.load_examples(args.dataset, "train", seed=args.seed)  # a missing dataset or model path: refused before
+    model_name = pick_model(args.model, device)  # --out-dir is made, which is made before the model loads
     checkpoint.make_out_dir(out_dir)
     distributed.start(world)  # torchrun: meet the other ranks (every rank has passed the checks above)
     distributed.barrier(world)  # ... before rank 0 writes anything into out_dir
     torch.manual_seed(args.seed)  # the LoRA initialisation, the same on every rank
 
-    examples = data.load_examples(args.dataset, "train", seed=args.seed)
-    model_name = pick_model(args.model, device)
     model, tokenizer = load_trainable_policy(model_name, device, args.lora_rank, args.lora_alpha, args.bf16_weights,
                                              args.gradient_checkpointing, args.bf16_autocast)
     if resuming:
