@@ -17,6 +17,7 @@ Run `python sampling.py` to sample a few answers from the embedded model.
 from __future__ import annotations
 
 import logging
+import os
 import time
 from dataclasses import dataclass
 
@@ -99,7 +100,7 @@ class HFSampler:
     each distinct prompt once, copy its KV cache to its n rows, then decode one token per row per
     step until every row has stopped.
 
-    Five measured speed mechanisms (docs/speed.md has the figures), the first three below, the others in decode.py:
+    Six measured speed mechanisms (docs/speed.md has the figures), the first four below, the others in decode.py:
     - `merged_copy` (with `merged=True`): decode with a copy of the policy whose LoRA is merged
       into its weights, in `merged_dtype`, refreshed by `update_weights` after every update (how
       vLLM serves a LoRA on a GPU). Without it every forward runs peft's ~210 extra adapter
@@ -107,6 +108,7 @@ class HFSampler:
     - `sample_tokens`: inverse-transform sampling, one random number per row instead of one per
       vocabulary entry.
     - `last_positions`: the prefill's LM head on the last position only, asked for by index.
+    - `prefill` (with `share_prompt`): the prefix every prompt of a batch begins with (the system prompt) computed once.
     - `decode.reserve_cache`: the KV cache written in place, not grown by concatenation at every token.
     - `decode.CudaGraphDecode` (on a GPU, with `cuda_graph=True`): each decode step replayed as one CUDA graph
       instead of ~15 kernel launches per layer from Python.
@@ -158,17 +160,13 @@ class HFSampler:
         return [rollouts[i * n : (i + 1) * n] for i in range(len(prompts))]
 
     def _generate_batch(self, prompts: list[list[int]], n: int) -> list[Rollout]:
-        device = next(self.model.parameters()).device
-        width, pad = max(len(p) for p in prompts), self.tokenizer.pad_token_id
-        ids = torch.tensor([[pad] * (width - len(p)) + p for p in prompts], device=device)  # left-padded
-        mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in prompts], device=device)
+        device, pad = next(self.model.parameters()).device, self.tokenizer.pad_token_id
         copies = 1 if self.share_prompt else n  # prompt copies prefilled; the cache is repeated to n rows
-        ids, mask = ids.repeat_interleave(copies, dim=0), mask.repeat_interleave(copies, dim=0)
         stops = torch.tensor(sorted(self.stops), device=device)
         with torch.autocast(device.type, dtype=torch.bfloat16, enabled=self.autocast_bf16):
-            out = self.model(input_ids=ids, attention_mask=mask, position_ids=(mask.cumsum(1) - 1).clamp(min=0),
-                             use_cache=True, logits_to_keep=last_positions(1, width, device))  # prefill: the cache of every prompt token
-            cache, logits = getattr(out, kv_cache_name()), out.logits[:, -1].repeat_interleave(n // copies, dim=0)
+            rows = [p for p in prompts for _ in range(copies)]
+            cache, logits, mask = prefill(self.model, rows, pad, share_prefix=self.share_prompt)  # every prompt token's cache
+            logits, width = logits.repeat_interleave(n // copies, dim=0), mask.shape[1]
             cache.batch_repeat_interleave(n // copies)  # each prompt's cache copied to its n rows
             reserved = reserve_cache(cache, self.max_new_tokens)  # each decode step writes in place (no growing by concatenation)
             position = mask.sum(1).repeat_interleave(n // copies)
@@ -196,6 +194,28 @@ class HFSampler:
             text = self.tokenizer.decode(completion, skip_special_tokens=True)
             result.append(Rollout(prompt, completion, text, truncated, row_logprob[: len(completion)]))
         return result
+
+
+def prefill(model, prompts: list[list[int]], pad: int, share_prefix: bool = False):
+    """(KV cache of every prompt token, logits after each prompt's last token, attention mask): the prompts'
+    forward, left-padded to one width. With `share_prefix`, the tokens that every prompt begins with (the system
+    prompt and chat template: 92 of the ~116 tokens of an arith prompt for SmolLM2) are computed once and their cache
+    copied to every row; then only the rest of each prompt, left-padded after the prefix. eval.py's 64 arith prompts
+    a batch: 30 of a 46 s batch on a 2-core CPU was the prefill (measured); docs/speed.md has the figures."""
+    device = next(model.parameters()).device
+    shared = min(len(os.path.commonprefix(prompts)), min(map(len, prompts)) - 1) if share_prefix and len(prompts) > 1 else 0
+    past = {}
+    if shared:  # one row, then copied to all: the cache of the same tokens at the same positions
+        out = model(input_ids=torch.tensor([prompts[0][:shared]], device=device), use_cache=True,
+                    logits_to_keep=last_positions(1, shared, device))
+        past = {kv_cache_name(): getattr(out, kv_cache_name())}
+        past[kv_cache_name()].batch_repeat_interleave(len(prompts))
+    width = max(len(p) - shared for p in prompts)
+    ids = torch.tensor([[pad] * (width - len(p) + shared) + p[shared:] for p in prompts], device=device)
+    mask = torch.tensor([[1] * shared + [0] * (width - len(p) + shared) + [1] * (len(p) - shared) for p in prompts], device=device)
+    out = model(input_ids=ids, attention_mask=mask, position_ids=(mask.cumsum(1) - 1).clamp(min=0)[:, shared:], **past,
+                use_cache=True, logits_to_keep=last_positions(1, width, device))
+    return getattr(out, kv_cache_name()), out.logits[:, -1], mask
 
 
 def last_positions(count: int, length: int, device) -> torch.Tensor:

@@ -35,11 +35,11 @@ def test_a_reserved_cache_generates_what_a_growing_one_does(tiny_model_dir, monk
 def test_the_cuda_graphs_static_decode_step_generates_what_the_eager_one_does(tiny_model_dir, monkeypatch, merged):
     """CudaGraphDecode's step run eagerly (capture=False: a CPU has no CUDA graphs): keys and values written at a
     column of the reserved cache, attention over all of it under a 4D mask, the same tokens and log-probabilities
-    as EagerDecode's growing view, with left padding (prompts of different lengths). In float32: in bfloat16 the longer
-    sums round differently and an adjacent token is sometimes drawn (the GPU check measures that gap). test_cuda
-    captures the step as a graph."""
+    as EagerDecode's growing view, with padding (prompts of different lengths, padded after the prefix they share). In
+    float32: in bfloat16 the longer sums round differently and an adjacent token is sometimes drawn (the GPU check
+    measures that gap). test_cuda captures the step as a graph."""
     model, tokenizer = lora_policy(tiny_model_dir)
-    prompts = [[5, 6, 7, 8, 9, 10, 11], [12, 13, 14]]
+    prompts = [[5, 6, 7, 8, 9, 10, 11], [5, 6, 12, 13]]
     results = []
     for step in (decode.EagerDecode, functools.partial(decode.CudaGraphDecode, capture=False)):
         monkeypatch.setattr(sampling, "EagerDecode", step)

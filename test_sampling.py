@@ -42,6 +42,31 @@ def test_shared_prefill_generates_the_same_tokens_as_prefilling_each_rollout(tin
     assert len({tuple(c) for group in generated[1] for c in group}) > 3  # sampled, not one repeated answer
 
 
+@pytest.mark.parametrize("rests, shared_forwards", [
+    ([[5, 6, 7, 8, 9], [12], [15, 16, 17], [5, 6, 7]], [(1, 20), (4, 5)]),  # one prompt is another's beginning
+    ([[5], [5, 6]], [(1, 20), (2, 2)]),  # the first is all prefix: one token of it is left for its logits
+])
+def test_a_prefix_every_prompt_shares_is_prefilled_once_and_samples_what_prefilling_each_row_does(tiny_model_dir, monkeypatch,
+                                                                                                    rests, shared_forwards):
+    """prefill(share_prefix=True): the tokens all prompts begin with (a system prompt) are computed once, for one row,
+    then each prompt's rest. The same tokens and log-probs as each row's own prefill."""
+    model, tokenizer = lora_policy(tiny_model_dir)
+    prompts = [list(range(20, 40)) + rest for rest in rests]
+    shapes, forward = [], model.forward
+    monkeypatch.setattr(model, "forward", lambda *a, **k: shapes[-1].append(tuple(k["input_ids"].shape)) or forward(*a, **k))
+    generated = []
+    for share in (False, True):
+        sampler = sampling.HFSampler(model, tokenizer, max_new_tokens=8, temperature=0.9, batch_size=8, share_prompt=share)
+        torch.manual_seed(0)
+        shapes.append([])
+        generated.append([r for group in sampler.generate(prompts, 2) for r in group])
+    assert [r.completion_ids for r in generated[0]] == [r.completion_ids for r in generated[1]]
+    assert [x for r in generated[1] for x in r.logprobs] == pytest.approx([x for r in generated[0] for x in r.logprobs], abs=1e-4)
+    assert shapes[0][0] == (2 * len(prompts), max(map(len, prompts)))  # every row's whole prompt, left-padded
+    assert shapes[1][:2] == shared_forwards
+    assert shapes[1][2:] == shapes[0][1:] == [(2 * len(prompts), 1)] * (len(shapes[0]) - 1)  # the decode steps
+
+
 def test_sample_tokens_draws_from_the_tempered_distribution_and_returns_its_log_probability():
     logits = torch.tensor([[2.0, 1.0, -1e9, 0.0, -1e9]]).repeat(20_000, 1)  # two tokens impossible
     torch.manual_seed(0)
