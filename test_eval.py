@@ -607,7 +607,7 @@ def test_plot_takes_the_baseline_it_is_given(tmp_path, capsys):
 
 
 @pytest.mark.parametrize("sig", [signal.SIGINT, signal.SIGTERM])
-def test_eval_interrupted_keeps_the_checkpoints_it_finished_and_says_which(tiny_run, tmp_path, monkeypatch, capsys, caplog, sig):
+def test_eval_interrupted_keeps_the_checkpoints_it_finished_and_says_which(tiny_run, tmp_path, monkeypatch, capsys, request, sig):
     """A Ctrl-C, or a scheduler's SIGTERM (which ended eval.py with 143 and no word), stops it with 130 and one line naming
     what is saved; a signal before any checkpoint finished said "every checkpoint evaluated so far is saved" too."""
     original, calls = evaluation.evaluate_target, []
@@ -619,6 +619,8 @@ def test_eval_interrupted_keeps_the_checkpoints_it_finished_and_says_which(tiny_
         return original(*args, **kwargs)
 
     monkeypatch.setattr(evaluation, "evaluate_target", interrupted)
+    on_sigint = signal.signal(signal.SIGINT, signal.default_int_handler)  # as in a terminal: a background job ignores SIGINT
+    request.addfinalizer(lambda: signal.signal(signal.SIGINT, on_sigint))
     out = tmp_path / "eval.json"
     argv = [str(tiny_run), "--dataset", "arith", "--limit", "2", "--repeats", "1", "--max-new-tokens", "3", "--out", str(out), "--force"]
     stop_at = 2
