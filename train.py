@@ -294,8 +294,8 @@ def train(args: Args, world: distributed.World = distributed.World()) -> Path:
     if resuming:
         checkpoint.check_resume_config(out_dir, args, world.size, found[-1])
     config.check_torchrun(device, world)
-    examples = data.load_examples(args.dataset, "train", seed=args.seed)  # a missing dataset or model path: refused before
-    model_name = pick_model(args.model, device)  # --out-dir is made, which is made before the model loads
+    examples = data.load_examples(args.dataset, "train", seed=args.seed)  # a missing dataset or model path stops the run
+    model_name = pick_model(args.model, device)  # here, before --out-dir is made (and --out-dir before the model loads)
     checkpoint.make_out_dir(out_dir)
     distributed.start(world)  # torchrun: meet the other ranks (every rank has passed the checks above)
     distributed.barrier(world)  # ... before rank 0 writes anything into out_dir
