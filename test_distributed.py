@@ -109,9 +109,10 @@ distributed.start(world)
 total = torch.ones(1)
 dist.all_reduce(total)
 print(f"node {{os.environ['NODE']}} attempt {{os.environ['TORCHELASTIC_RESTART_COUNT']}}: {{total.item():g}} ranks", flush=True)
-if not os.path.exists({fault!r}):
+ran = {ran!r} + os.environ["NODE"]  # each node's own mark: B's rank, reading A's, finished before its agent restarted it
+if not os.path.exists(ran):
+    open(ran, "w").close()
     if os.environ["NODE"] == "A":
-        open({fault!r}, "w").close()
         os.kill(os.getpid(), 9)  # a fault on node A
     time.sleep(60)  # node B: healthy, busy; its agent restarts it when A's comes back
 distributed.finish(world)
@@ -129,7 +130,7 @@ def test_two_nodes_restart_after_a_fault_on_one_and_meet_again_in_a_fresh_store(
         sock.bind(("localhost", 0))
         port = sock.getsockname()[1]
     worker = tmp_path / "worker.py"
-    worker.write_text(TWO_NODES_WORKER.format(project=str(Path(__file__).parent), fault=str(tmp_path / "faulted")))
+    worker.write_text(TWO_NODES_WORKER.format(project=str(Path(__file__).parent), ran=str(tmp_path / "ran-")))
     torchrun = str(Path(sys.executable).with_name("torchrun"))
     nodes = {node: subprocess.Popen([torchrun, "--nnodes", "2", "--nproc-per-node", "1", "--rdzv-backend", "c10d",
                                      "--rdzv-endpoint", f"localhost:{port}", "--rdzv-id", "two-nodes", "--max-restarts", "1",
