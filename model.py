@@ -44,8 +44,7 @@ class SetupError(RuntimeError):
 
 def pick_model(model: str, device: str) -> str:
     """--model auto: the paper's model on a GPU, the embedded one elsewhere. A local path that does not exist: SetupError."""
-    if missing_path(model):
-        raise SetupError(f"{model} does not exist: give a local model directory, a hub name (org/name) or {EMBEDDED!r}")
+    check_model_path(model)
     if model != "auto":
         return model
     return GPU_MODEL if device == "cuda" else EMBEDDED
@@ -80,6 +79,12 @@ def missing_path(model: str) -> bool:
     return not Path(model).exists() and (model.startswith(("/", ".", "~")) or model.count("/") > 1)
 
 
+def check_model_path(model: str) -> None:
+    """SetupError, before anything loads, when `model` can only be a local path and none exists there (missing_path)."""
+    if missing_path(model):
+        raise SetupError(f"{model} does not exist: give a local model directory, a hub name (org/name) or {EMBEDDED!r}")
+
+
 def local_model_path(model: str) -> str:
     """Where `model`'s files are read from: "embedded"'s converted directory, a local directory as given, a hub name
     as given while the hub may be reached, and with the hub unreachable, that model's directory in the local cache.
@@ -87,8 +92,7 @@ def local_model_path(model: str) -> str:
     reads the cache, and vLLM retries ~2 min and fails (0.32.0, without HF_HUB_OFFLINE)."""
     if model == EMBEDDED:
         return str(embedded_model_dir())
-    if missing_path(model):
-        raise SetupError(f"{model} does not exist: give a local model directory, a hub name (org/name) or {EMBEDDED!r}")
+    check_model_path(model)
     offline = None if Path(model).exists() else hub_unreachable()
     if not offline:
         return model
