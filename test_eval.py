@@ -84,6 +84,24 @@ def test_eval_reuses_the_base_model_result_across_runs(tiny_run, tmp_path, caplo
     assert [r["checkpoint"] for r in again] == ["base", "checkpoint-1", "checkpoint-2"] and again[0] == base
 
 
+def test_a_base_models_cached_result_is_reused_without_reading_the_test_set(tiny_model_dir, tmp_path, monkeypatch):
+    """GSM8K from the hub, offline: a base model evaluated before is answered from its cache, as before the test set
+    was read ahead of the cache (it stopped with "could not download" instead)."""
+    hub = [[data.Example("What is 2 + 3?", "5"), data.Example("What is 4 + 4?", "8")]]
+
+    def gsm8k(dataset, split, **kwargs):
+        if not hub:
+            raise data.DataError("could not download GSM8K")
+        return hub.pop()
+
+    monkeypatch.setattr(data, "load_examples", gsm8k)
+    argv = [str(tiny_model_dir), "--dataset", "gsm8k", "--repeats", "1", "--max-new-tokens", "4"]
+    assert evaluation.main([*argv, "--out", str(tmp_path / "first.json")]) == 0
+    assert evaluation.main([*argv, "--out", str(tmp_path / "again.json")]) == 0  # the hub's examples are gone
+    first, again = (json.loads((tmp_path / name).read_text())["results"] for name in ("first.json", "again.json"))
+    assert [r["checkpoint"] for r in again] == ["base"] and again == first
+
+
 @pytest.mark.parametrize("source", ["sampling", "decode", "vllm_sampler"])
 def test_eval_does_not_reuse_a_base_result_sampled_by_other_generation_code(tmp_path, monkeypatch, source):
     module = {"sampling": sampling, "decode": decode, "vllm_sampler": vllm_sampler}[source]
@@ -633,6 +651,32 @@ def test_eval_interrupted_keeps_the_checkpoints_it_finished_and_says_which(tiny_
     assert evaluation.main([*argv[:-3], "--out", str(out), "--force"]) == 130
     assert capsys.readouterr().err.strip().splitlines()[-1] == "interrupted: no checkpoint was evaluated this time"
     assert not out.exists()
+
+
+@pytest.mark.parametrize("interrupted_at", [2, None])
+def test_a_ctrl_c_during_the_engines_shutdown_still_names_the_checkpoints_saved(tiny_run, tmp_path, monkeypatch, capsys, interrupted_at):
+    """vLLM's shutdown takes seconds: a second Ctrl-C there, or a first one after the last checkpoint, said "no checkpoint
+    was evaluated this time" while the results file held them."""
+    original, calls = evaluation.evaluate_target, []
+
+    def interrupted(*args, **kwargs):
+        calls.append(1)
+        if len(calls) == interrupted_at:
+            raise KeyboardInterrupt
+        return original(*args, **kwargs)
+
+    def ctrl_c_while_closing(self):
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(evaluation, "evaluate_target", interrupted)
+    monkeypatch.setattr(sampling.HFSampler, "close", ctrl_c_while_closing)
+    out = tmp_path / "eval.json"
+    argv = [str(tiny_run), "--dataset", "arith", "--limit", "2", "--repeats", "1", "--max-new-tokens", "3", "--out", str(out), "--force"]
+    assert evaluation.main(argv) == 130
+    saved = [r["checkpoint"] for r in json.loads(out.read_text())["results"]]
+    assert saved == (["base"] if interrupted_at else ["base", "checkpoint-1", "checkpoint-2"])
+    line = capsys.readouterr().err.strip().splitlines()[-1]
+    assert line == f"interrupted: {', '.join(saved)} saved in {out}; run again (without --force) for the rest"
 
 
 def test_a_missing_dataset_is_refused_before_anything_is_counted(tiny_run, tmp_path, capsys, caplog):

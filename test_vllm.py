@@ -198,18 +198,36 @@ def test_vllm_under_torchrun_trains_resumes_and_hands_each_ranks_engine_the_new_
 
 @pytest.mark.vllm
 @pytest.mark.slow
-def test_eval_with_vllm_evaluates_the_base_model_and_each_checkpoint_on_the_real_engine(embedded_dir, tmp_path, caplog, length_rewards):
+def test_eval_with_vllm_evaluates_the_base_model_and_each_checkpoint_on_the_real_engine(embedded_dir, tmp_path, caplog, capsys,
+                                                                                          length_rewards, monkeypatch):
     """eval.py --backend vllm on vLLM's CPU build (elsewhere it is tested against a fake): one engine for the base model
-    and the run's checkpoint, each through set_adapter; the results file holds both rows, and the engine is shut down."""
+    and the run's checkpoint, each through set_adapter; the results file holds both rows, and the engine is shut down.
+    A scheduler's SIGTERM after the base model (until now tested with transformers only) ends it with 130, the base
+    model's result kept and the engine shut down; run again, it evaluates the checkpoint."""
     needs_vllms_cpu_build()
+    import signal
+
     import eval as evaluation
 
     run = tmp_path / "run"
     assert train.main(tiny_args(head64_model(embedded_dir, tmp_path), run, "--steps", "1", "--max-prompt-tokens", "200")) == 0
     out = tmp_path / "eval.json"
+    argv = [str(run), "--dataset", "arith", "--limit", "2", "--repeats", "1", "--backend", "vllm", "--max-new-tokens", "4", "--out", str(out)]
+    original = evaluation.evaluate_target
+
+    def sigterm_before_the_checkpoint(sampler, target, *args, **kwargs):
+        if target.adapter is not None:
+            os.kill(os.getpid(), signal.SIGTERM)
+        return original(sampler, target, *args, **kwargs)
+
+    monkeypatch.setattr(evaluation, "evaluate_target", sigterm_before_the_checkpoint)
+    assert evaluation.main(argv) == 130
+    assert capsys.readouterr().err.strip().splitlines()[-1] == f"interrupted: base saved in {out}; run again (without --force) for the rest"
+    assert [r["checkpoint"] for r in json.loads(out.read_text())["results"]] == ["base"]
+    assert engines_adapter_dirs_are_gone() and signal.getsignal(signal.SIGTERM) == signal.SIG_DFL
+    monkeypatch.setattr(evaluation, "evaluate_target", original)
     with caplog.at_level(logging.INFO, logger="pods"):
-        assert evaluation.main([str(run), "--dataset", "arith", "--limit", "2", "--repeats", "1", "--backend", "vllm",
-                                "--max-new-tokens", "4", "--out", str(out)]) == 0
+        assert evaluation.main(argv) == 0
     assert "generation backend: vLLM, 2 questions" in caplog.text
     results = json.loads(out.read_text())
     assert [(r["checkpoint"], r["step"], len(r["accuracies"])) for r in results["results"]] == [("base", 0, 1), ("checkpoint-1", 1, 1)]
