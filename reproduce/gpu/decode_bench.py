@@ -2,8 +2,10 @@
 32 rows, for the CUDA-graph step (the default), the eager step (--no-cuda-graph) and an older commit's sampler
 (.gpu/old, prepare.sh with OLD=COMMIT), on one model loaded once, back to back; then each one's busiest CUDA
 kernels (torch.profiler), which name the attention kernel that runs; and the graph with transformers' sdpa in
-place of decode.decode_attention. check.sh's `decode` stage:
-    python3 reproduce/gpu/decode_bench.py --model DIR [--old .gpu/old] [--tokens 128] [--rows 32]
+place of decode.decode_attention. Last, eval.py's batch on the transformers backend (64 different questions, one
+rollout each): their prompts prefilled whole, each left-padded (as before 29 November), against sampling.prefill's
+shared prefix (the system prompt and chat template, computed once; eval.py's default since then). check.sh's `decode` stage:
+    python3 reproduce/gpu/decode_bench.py --model DIR [--old .gpu/old] [--tokens 128] [--rows 32] [--questions 64]
 Each variant generates once at 16 tokens (CUDA's first calls), then `--tokens` tokens per row, timed; random
 weights never stop early, so every step decodes every row and ms/step = seconds / tokens (the prefill included,
 and for the graph its capture, once per generate call: printed apart, with torch.cuda.graph's empty_cache in it).
@@ -22,7 +24,8 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, os.getcwd())
-import decode  # noqa: E402 - the checkout's, from the repository root
+import data  # noqa: E402 - the checkout's, from the repository root
+import decode  # noqa: E402
 import sampling  # noqa: E402
 from model import load_policy  # noqa: E402
 
@@ -88,17 +91,17 @@ def capture_times(record: list[float]):
         sampling.CudaGraphDecode = build
 
 
-def timed(sampler, prompt: list[int], rows: int, tokens: int) -> float:
-    """Seconds for one generate call of `rows` rollouts of `tokens` tokens (after one of 16: CUDA's first calls)."""
+def timed(sampler, prompts: list[list[int]], n: int, tokens: int) -> float:
+    """Seconds for one generate call of n rollouts of `tokens` tokens per prompt (after one of 16: CUDA's first calls)."""
     sampler.max_new_tokens = 16
-    sampler.generate([prompt], rows)
+    sampler.generate(prompts, n)
     sampler.max_new_tokens = tokens
     synchronize()
     start = time.perf_counter()
-    (group,) = sampler.generate([prompt], rows)
+    groups = sampler.generate(prompts, n)
     synchronize()
     seconds = time.perf_counter() - start
-    if any(len(r.completion_ids) < tokens for r in group):
+    if any(len(r.completion_ids) < tokens for group in groups for r in group):
         print(f"note: some rows stopped before {tokens} tokens: ms/step overstates the step")
     return seconds
 
@@ -123,6 +126,7 @@ def main() -> None:
     parser.add_argument("--old", default=None, help="an older commit's tree (its sampling.py is timed too)")
     parser.add_argument("--tokens", type=int, default=128)
     parser.add_argument("--rows", type=int, default=32)
+    parser.add_argument("--questions", type=int, default=64, help="eval.py's batch: prompts of different questions")
     args = parser.parse_args()
     device = "cuda" if torch.cuda.is_available() else "cpu"  # a CPU only to try the script
     model, tokenizer = load_policy(args.model, device, torch.bfloat16 if device == "cuda" else torch.float32)
@@ -140,13 +144,18 @@ def main() -> None:
     seconds, captures = {}, []
     for name, sampler in variants.items():
         with transformers_sdpa(name == "graph, sdpa"), capture_times(captures if name == "graph" else []):
-            seconds[name] = timed(sampler, prompt, args.rows, args.tokens)
+            seconds[name] = timed(sampler, [prompt], args.rows, args.tokens)
         print(f"decode: {name:14s} {1000 * seconds[name] / args.tokens:7.2f} ms/step  ({seconds[name]:.2f} s), "
               f"CUDA peak allocated {torch.cuda.max_memory_allocated() / 2**30 if device == 'cuda' else 0:.2f} GiB so far", flush=True)
     if captures:  # the timed call's, after the first call's
         print(f"decode: the graph's setup and capture {1000 * captures[-1]:.0f} ms of its {seconds['graph']:.2f} s (once per generate call)")
     for name in ("graph", "eager"):
         print(f"decode: {name} / {', '.join(f'{other} {seconds[name] / seconds[other]:.2f}' for other in seconds if other != name)}")
+    prompts = [sampling.build_prompt(tokenizer, e.question) for e in data.arith_examples(args.questions, seed=0)]
+    whole, shared = (timed(sampling.HFSampler(model, tokenizer, 16, 0.9, share_prompt=share), prompts, 1, args.tokens)
+                     for share in (False, True))
+    print(f"eval batch: {len(prompts)} questions x 1, {args.tokens} new tokens, graph: prompts prefilled whole {whole:.2f} s, "
+          f"after their shared prefix {shared:.2f} s ({len(os.path.commonprefix(prompts))} tokens): {whole / shared:.2f}x", flush=True)
     for name, sampler in variants.items():
         if device == "cuda":
             with transformers_sdpa(name == "graph, sdpa"):

@@ -110,7 +110,7 @@ def summary(logs: Path) -> str:
         out += [f"  {line}" for line in outcome_lines(read(logs / "tests.log"))]
     if "decode" in status:
         out.append(f"decode step (decode_bench.py): {status_text(*status['decode'])}")
-        out += [f"  {line}" for line in read(logs / "decode.log").splitlines() if line.startswith(("decode:", "kernels", "  "))]
+        out += [f"  {line}" for line in read(logs / "decode.log").splitlines() if line.startswith(("decode:", "eval batch:", "kernels", "  "))]
     lines = [["stage", "what", "steps", "generation s", "ms/token", "update s", "step s", "peak GiB alloc/reserved",
               "completion len", "sampler gap", "status"]]
     step_s, failures, phases, notes = {}, [], [], []

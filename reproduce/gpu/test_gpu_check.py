@@ -38,7 +38,8 @@ def logs(tmp_path) -> Path:
         "SKIPPED [1] test_cuda.py:122: could not import 'vllm'\n"
         "1 failed, 5 passed, 1 skipped, 420 deselected in 95.31s (0:01:35)\n")
     (tmp_path / "decode.log").write_text("Loading weights...\ndecode: graph             6.10 ms/step  (0.78 s)\n"
-                                         "decode: graph / eager 0.21\n")
+                                         "decode: graph / eager 0.21\neval batch: 64 questions x 1, 512 new tokens, graph: "
+                                         "prompts prefilled whole 9.00 s, after their shared prefix 8.00 s (92 tokens): 1.12x\n")
     (tmp_path / "status.txt").write_text("tests\t1\t97\ndecode\t0\t41\npods\t0\t104\nold\t0\t150\ntrl\t124\t190\ngrpo\t0\t112\n"
                                          "vllm\tskipped\tvLLM does not import here\n")
     write_stage(tmp_path, "pods", [(48.0, 3.5), (15.0, 2.0), (16.0, 2.2)], "train.main exit 0 after 99 s; "
@@ -112,6 +113,7 @@ def test_summary_header_names_card_date_commit_versions_model_and_the_tests_coun
     assert "  FAILED test_cuda.py::test_cuda_torchrun - AssertionError: no one-line refusal" in lines
     assert "decode step (decode_bench.py): ok, 41 s" in lines
     assert "  decode: graph             6.10 ms/step  (0.78 s)" in lines and "  decode: graph / eager 0.21" in lines
+    assert "  eval batch: 64 questions x 1, 512 new tokens, graph: prompts prefilled whole 9.00 s, after their shared prefix 8.00 s (92 tokens): 1.12x" in lines
 
 
 @pytest.mark.pure
