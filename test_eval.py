@@ -45,7 +45,10 @@ def test_eval_writes_accuracy_with_standard_error_and_skips_done_checkpoints(tin
     assert [r["checkpoint"] for r in rows] == ["base", "checkpoint-1", "checkpoint-2"]
     assert [r["step"] for r in rows] == [0, 1, 2] and rows[0]["elapsed_s"] == 0.0 and rows[2]["elapsed_s"] > rows[1]["elapsed_s"] > 0
     for r in rows:
-        assert len(r["accuracies"]) == 2 and 0 <= r["accuracy"] <= 1 and 0 <= r["format_rate"] <= 1
+        assert len(r["accuracies"]) == 2 and r["accuracy"] == pytest.approx(np.mean(r["accuracies"]))
+        # counts, not just numbers in [0, 1]: 3 questions x 2 samples a repeat, the format rate over both repeats
+        assert all(a * 6 == pytest.approx(round(a * 6)) for a in r["accuracies"]) and r["format_rate"] * 12 == pytest.approx(round(r["format_rate"] * 12))
+        assert all(0 <= a <= 1 for a in r["accuracies"]) and 0 <= r["format_rate"] <= 1
         assert r["accuracy_se"] == pytest.approx(np.std(r["accuracies"], ddof=1) / np.sqrt(2))
     assert (tiny_run / "eval-arith.csv").read_text().splitlines()[0] == "checkpoint,step,elapsed_s,accuracy,accuracy_se,format_rate"
     caplog.clear()
