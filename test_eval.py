@@ -24,7 +24,7 @@ import rewards
 import sampling
 import train
 import vllm_sampler
-from testkit import fake_run, length_reward, read_metrics, tiny_args
+from testkit import fake_run, interrupt_evaluation, length_reward, read_metrics, tiny_args
 
 
 @pytest.fixture(scope="session")
@@ -631,26 +631,17 @@ def test_plot_takes_the_baseline_it_is_given(tmp_path, capsys):
 def test_eval_interrupted_keeps_the_checkpoints_it_finished_and_says_which(tiny_run, tmp_path, monkeypatch, capsys, request, sig):
     """A Ctrl-C, or a scheduler's SIGTERM (which ended eval.py with 143 and no word), stops it with 130 and one line naming
     what is saved; a signal before any checkpoint finished said "every checkpoint evaluated so far is saved" too."""
-    original, calls = evaluation.evaluate_target, []
-
-    def interrupted(*args, **kwargs):
-        calls.append(1)
-        if len(calls) == stop_at:
-            os.kill(os.getpid(), sig)
-        return original(*args, **kwargs)
-
-    monkeypatch.setattr(evaluation, "evaluate_target", interrupted)
     on_sigint = signal.signal(signal.SIGINT, signal.default_int_handler)  # as in a terminal: a background job ignores SIGINT
     request.addfinalizer(lambda: signal.signal(signal.SIGINT, on_sigint))
     out = tmp_path / "eval.json"
     argv = [str(tiny_run), "--dataset", "arith", "--limit", "2", "--repeats", "1", "--max-new-tokens", "3", "--out", str(out), "--force"]
-    stop_at = 2
+    interrupt_evaluation(monkeypatch, 2, lambda: os.kill(os.getpid(), sig))
     assert evaluation.main(argv) == 130
     assert capsys.readouterr().err.strip().splitlines()[-1] == f"interrupted: base saved in {out}; run again (without --force) for the rest"
     assert [r["checkpoint"] for r in json.loads(out.read_text())["results"]] == ["base"]
     assert signal.getsignal(signal.SIGTERM) == signal.SIG_DFL  # as it was before main
-    calls.clear()
-    stop_at, out = 1, tmp_path / "none.json"
+    interrupt_evaluation(monkeypatch, 1, lambda: os.kill(os.getpid(), sig))
+    out = tmp_path / "none.json"
     assert evaluation.main([*argv[:-3], "--out", str(out), "--force"]) == 130
     assert capsys.readouterr().err.strip().splitlines()[-1] == "interrupted: no checkpoint was evaluated this time"
     assert not out.exists()
@@ -660,19 +651,11 @@ def test_eval_interrupted_keeps_the_checkpoints_it_finished_and_says_which(tiny_
 def test_a_ctrl_c_during_the_engines_shutdown_still_names_the_checkpoints_saved(tiny_run, tmp_path, monkeypatch, capsys, interrupted_at):
     """vLLM's shutdown takes seconds: a second Ctrl-C there, or a first one after the last checkpoint, said "no checkpoint
     was evaluated this time" while the results file held them."""
-    original, calls = evaluation.evaluate_target, []
-
-    def interrupted(*args, **kwargs):
-        calls.append(1)
-        if len(calls) == interrupted_at:
-            raise KeyboardInterrupt
-        return original(*args, **kwargs)
-
-    def ctrl_c_while_closing(self):
+    def ctrl_c(*args):
         raise KeyboardInterrupt
 
-    monkeypatch.setattr(evaluation, "evaluate_target", interrupted)
-    monkeypatch.setattr(sampling.HFSampler, "close", ctrl_c_while_closing)
+    interrupt_evaluation(monkeypatch, interrupted_at, ctrl_c)
+    monkeypatch.setattr(sampling.HFSampler, "close", ctrl_c)
     out = tmp_path / "eval.json"
     argv = [str(tiny_run), "--dataset", "arith", "--limit", "2", "--repeats", "1", "--max-new-tokens", "3", "--out", str(out), "--force"]
     assert evaluation.main(argv) == 130

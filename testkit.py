@@ -14,6 +14,7 @@ from pathlib import Path
 import pytest
 import torch
 
+import eval as evaluation
 import model as models
 import sampling
 import train
@@ -122,6 +123,23 @@ def engines_adapter_dirs_are_gone() -> bool:
     """No /dev/shm/pods-adapter-* directory is left that no process holds (a live one, e.g. another
     test's engine in this process, may still hold its own)."""
     return not any(vllm_sampler.adapter_dir_is_stale(p) for p in Path("/dev/shm").glob("pods-adapter-*"))
+
+
+def interrupt_evaluation(monkeypatch, at: int | None, interrupt) -> None:
+    """eval.py's evaluate_target, made to call `interrupt()` (a signal sent, a KeyboardInterrupt raised) as the `at`-th
+    target of the process begins (the base model is the 1st; None: never). A second call replaces the first."""
+    calls = []
+
+    def interrupted(*args, **kwargs):
+        calls.append(1)
+        if len(calls) == at:
+            interrupt()
+        return EVALUATE_TARGET(*args, **kwargs)
+
+    monkeypatch.setattr(evaluation, "evaluate_target", interrupted)
+
+
+EVALUATE_TARGET = evaluation.evaluate_target  # the function itself, whatever a test has put in its place
 
 
 def vllm_build() -> str | None:
