@@ -6,7 +6,6 @@ from __future__ import annotations
 import inspect
 import json
 import math
-import os
 import shutil
 import signal
 from pathlib import Path
@@ -24,7 +23,7 @@ import rewards
 import sampling
 import train
 import vllm_sampler
-from testkit import fake_run, interrupt_evaluation, length_reward, read_metrics, tiny_args
+from testkit import fake_run, interrupt_call, length_reward, read_metrics, tiny_args
 
 
 @pytest.fixture(scope="session")
@@ -635,12 +634,12 @@ def test_eval_interrupted_keeps_the_checkpoints_it_finished_and_says_which(tiny_
     request.addfinalizer(lambda: signal.signal(signal.SIGINT, on_sigint))
     out = tmp_path / "eval.json"
     argv = [str(tiny_run), "--dataset", "arith", "--limit", "2", "--repeats", "1", "--max-new-tokens", "3", "--out", str(out), "--force"]
-    interrupt_evaluation(monkeypatch, 2, lambda: os.kill(os.getpid(), sig))
+    interrupt_call(monkeypatch, evaluation, "evaluate_target", 2, sig)  # as the 2nd target (checkpoint-1) begins
     assert evaluation.main(argv) == 130
     assert capsys.readouterr().err.strip().splitlines()[-1] == f"interrupted: base saved in {out}; run again (without --force) for the rest"
     assert [r["checkpoint"] for r in json.loads(out.read_text())["results"]] == ["base"]
     assert signal.getsignal(signal.SIGTERM) == signal.SIG_DFL  # as it was before main
-    interrupt_evaluation(monkeypatch, 1, lambda: os.kill(os.getpid(), sig))
+    interrupt_call(monkeypatch, evaluation, "evaluate_target", 1, sig)  # as the base model begins
     out = tmp_path / "none.json"
     assert evaluation.main([*argv[:-3], "--out", str(out), "--force"]) == 130
     assert capsys.readouterr().err.strip().splitlines()[-1] == "interrupted: no checkpoint was evaluated this time"
@@ -654,7 +653,7 @@ def test_a_ctrl_c_during_the_engines_shutdown_still_names_the_checkpoints_saved(
     def ctrl_c(*args):
         raise KeyboardInterrupt
 
-    interrupt_evaluation(monkeypatch, interrupted_at, ctrl_c)
+    interrupt_call(monkeypatch, evaluation, "evaluate_target", interrupted_at, ctrl_c)
     monkeypatch.setattr(sampling.HFSampler, "close", ctrl_c)
     out = tmp_path / "eval.json"
     argv = [str(tiny_run), "--dataset", "arith", "--limit", "2", "--repeats", "1", "--max-new-tokens", "3", "--out", str(out), "--force"]

@@ -32,7 +32,7 @@ import progress
 import rewards
 import sampling
 import train
-from testkit import in_hub_cache, length_reward_script, lora_policy, read_metrics, tiny_args
+from testkit import in_hub_cache, interrupt_call, length_reward_script, lora_policy, read_metrics, tiny_args
 
 METRIC_KEYS = {"step", "elapsed_s", "generation_s", "update_s", "reward_mean", "reward_std", "kept_reward_std", "accuracy",
                "format_rate", "completion_len", "truncated_frac", "loss", "clip_frac", "grad_norm", "lr", "n", "m",
@@ -274,13 +274,7 @@ def test_progress_bar_counts_minutes_under_a_time_budget_and_steps_otherwise(bud
 
 @pytest.mark.parametrize("signum", [signal.SIGINT, signal.SIGTERM])  # SIGTERM: what a cluster scheduler sends before its kill
 def test_ctrl_c_or_sigterm_finishes_the_step_saves_and_exits_130(tiny_model_dir, tmp_path, monkeypatch, signum, length_rewards):
-    original = train.policy_update
-
-    def interrupted_update(*args, **kwargs):
-        os.kill(os.getpid(), signum)  # arrives during step 1's update
-        return original(*args, **kwargs)
-
-    monkeypatch.setattr(train, "policy_update", interrupted_update)
+    interrupt_call(monkeypatch, train, "policy_update", 1, signum)  # arrives during step 1's update
     out = tmp_path / "run"
     before = signal.getsignal(signum)  # Python's default, or SIG_IGN when started in the background (nohup ... &)
     assert train.main(tiny_args(tiny_model_dir, out, "--steps", "5")) == 130
@@ -293,13 +287,7 @@ def test_ctrl_c_or_sigterm_finishes_the_step_saves_and_exits_130(tiny_model_dir,
 def test_ctrl_c_in_the_last_step_ends_the_run_as_done_not_interrupted(last, tiny_model_dir, tmp_path, monkeypatch, caplog, capsys, length_rewards):
     """The last step (of --steps, or the one that spends the time budget) finished and was saved, but the run said
     'interrupted' and exited 130; --resume then had nothing to do."""
-    original = train.policy_update
-
-    def interrupted_update(*args, **kwargs):
-        os.kill(os.getpid(), signal.SIGINT)  # arrives during the last step's update
-        return original(*args, **kwargs)
-
-    monkeypatch.setattr(train, "policy_update", interrupted_update)
+    interrupt_call(monkeypatch, train, "policy_update", 1)  # a Ctrl-C arrives during the last step's update
     out = tmp_path / "run"
     with caplog.at_level(logging.INFO, logger="pods"):
         assert train.main(tiny_args(tiny_model_dir, out, *last)) == 0
@@ -307,19 +295,16 @@ def test_ctrl_c_in_the_last_step_ends_the_run_as_done_not_interrupted(last, tiny
     assert [r["step"] for r in read_metrics(out)] == [1] and checkpoint.find(out)[-1].name == "checkpoint-1"
 
 
+def engine_dies_of_a_ctrl_c():
+    """vLLM's engine process gets the terminal's Ctrl-C too, and may die of it in the middle of a generation."""
+    os.kill(os.getpid(), signal.SIGINT)
+    raise RuntimeError("EngineCore encountered an issue")
+
+
 def test_ctrl_c_that_kills_the_generation_engine_saves_the_last_finished_step(tiny_model_dir, tmp_path, monkeypatch, length_rewards):
     """vLLM's engine process also gets the Ctrl-C and may die mid-generation: the run still saves
     a checkpoint of the last finished step, with the data position of that step."""
-    original, calls = sampling.generate_and_score, []
-
-    def engine_dies_on_step_2(*args):
-        calls.append(1)
-        if len(calls) == 2:
-            os.kill(os.getpid(), signal.SIGINT)
-            raise RuntimeError("EngineCore encountered an issue")
-        return original(*args)
-
-    monkeypatch.setattr(sampling, "generate_and_score", engine_dies_on_step_2)
+    interrupt_call(monkeypatch, sampling, "generate_and_score", 2, engine_dies_of_a_ctrl_c)
     out = tmp_path / "run"
     assert train.main(tiny_args(tiny_model_dir, out, "--steps", "5")) == 130
     assert [r["step"] for r in read_metrics(out)] == [1]
@@ -998,19 +983,16 @@ def test_a_damaged_checkpoint_stops_resume_in_one_line_and_resume_goes_on_once_i
 
 
 def test_a_second_ctrl_c_quits_without_saving(tiny_model_dir, tmp_path, monkeypatch, capsys, length_rewards):
-    original = train.policy_update
-
-    def twice(*args, **kwargs):
+    def twice():
         os.kill(os.getpid(), signal.SIGINT)
         os.kill(os.getpid(), signal.SIGINT)
-        return original(*args, **kwargs)
 
-    monkeypatch.setattr(train, "policy_update", twice)
+    interrupt_call(monkeypatch, train, "policy_update", 1, twice)
     out = tmp_path / "run"
     assert train.main(tiny_args(tiny_model_dir, out, "--steps", "5")) == 130
     assert checkpoint.find(out) == [] and not (out / "metrics.jsonl").read_text()
     assert capsys.readouterr().err.strip().splitlines()[-1] == f"interrupted: no checkpoint was saved in {out}; the same command with --resume auto starts the run again"
-    monkeypatch.setattr(train, "policy_update", original)
+    interrupt_call(monkeypatch, train, "policy_update", None)
     assert train.main(tiny_args(tiny_model_dir, out, "--steps", "1", "--resume", "auto")) == 0  # as the line says
 
 
@@ -1031,30 +1013,18 @@ def test_ctrl_c_while_the_model_loads_says_how_to_start_again(tiny_model_dir, tm
 def test_ctrl_c_before_step_1_finishes_saves_checkpoint_0_which_resumes(tiny_model_dir, tmp_path, monkeypatch, length_rewards):
     """The engine dies in step 1's generation after a Ctrl-C: nothing was trained, and the saved state
     is the start (so a resume repeats step 1 with the same prompts)."""
-    original = sampling.generate_and_score
-
-    def engine_dies(*args):
-        os.kill(os.getpid(), signal.SIGINT)
-        raise RuntimeError("EngineCore encountered an issue")
-
-    monkeypatch.setattr(sampling, "generate_and_score", engine_dies)
+    interrupt_call(monkeypatch, sampling, "generate_and_score", 1, engine_dies_of_a_ctrl_c)
     out = tmp_path / "run"
     assert train.main(tiny_args(tiny_model_dir, out, "--steps", "2")) == 130
     assert [p.name for p in checkpoint.find(out)] == ["checkpoint-0"]
     assert json.loads((out / "checkpoint-0" / "trainer_state.json").read_text())["data_position"] == 0
-    monkeypatch.setattr(sampling, "generate_and_score", original)
+    interrupt_call(monkeypatch, sampling, "generate_and_score", None)
     assert train.main(tiny_args(tiny_model_dir, out, "--steps", "2", "--resume")) == 0
     assert [r["step"] for r in read_metrics(out)] == [1, 2]
 
 
 def test_ctrl_c_during_a_save_lets_the_save_finish_then_stops(tiny_model_dir, tmp_path, monkeypatch, capsys, length_rewards):
-    original = checkpoint.save
-
-    def interrupted_save(*args, **kwargs):
-        os.kill(os.getpid(), signal.SIGINT)
-        return original(*args, **kwargs)
-
-    monkeypatch.setattr(checkpoint, "save", interrupted_save)
+    interrupt_call(monkeypatch, checkpoint, "save", 1)
     out = tmp_path / "run"
     assert train.main(tiny_args(tiny_model_dir, out, "--steps", "5", "--save-every-steps", "1")) == 130
     assert [p.name for p in checkpoint.find(out)] == ["checkpoint-1"] and [r["step"] for r in read_metrics(out)] == [1]
@@ -1251,17 +1221,9 @@ def test_refill_resumed_at_step_2_ends_as_an_uninterrupted_run(tiny_model_dir, t
     # than it would have), and the checkpoint of step 1 is saved with step 1's random states, not those of the round
     # thrown away. --resume then draws step 2 again, as the uninterrupted run did.
     assert rows[1]["generation_rounds"] == 2
-    original, calls = sampling.generate_and_score, []
-
-    def interrupted_at_step_2(*args):
-        calls.append(1)
-        if len(calls) == rows[0]["generation_rounds"] + 1:
-            os.kill(os.getpid(), signal.SIGINT)
-        return original(*args)
-
     interrupted = tmp_path / "interrupted"
     with monkeypatch.context() as patch:
-        patch.setattr(sampling, "generate_and_score", interrupted_at_step_2)
+        interrupt_call(patch, sampling, "generate_and_score", rows[0]["generation_rounds"] + 1)  # step 2's first round
         assert train.main(tiny_args(tiny_model_dir, interrupted, "--steps", "3", *flags)) == 130
     assert [r["step"] for r in read_metrics(interrupted)] == [1] and checkpoint.find(interrupted)[-1].name == "checkpoint-1"
     assert train.main(tiny_args(tiny_model_dir, interrupted, "--steps", "3", *flags, "--resume")) == 0

@@ -23,7 +23,7 @@ import sampling
 import train
 import update
 import vllm_sampler
-from testkit import engines_adapter_dirs_are_gone, in_hub_cache, interrupt_evaluation, length_reward_script, lora_policy, read_metrics, tiny_args, tiny_llama, torchrun, vllm_build
+from testkit import engines_adapter_dirs_are_gone, in_hub_cache, interrupt_call, length_reward_script, lora_policy, read_metrics, tiny_args, tiny_llama, torchrun, vllm_build
 
 
 def test_vllm_flags_are_checked(tmp_path, capsys):
@@ -213,12 +213,12 @@ def test_eval_with_vllm_evaluates_the_base_model_and_each_checkpoint_on_the_real
     assert train.main(tiny_args(head64_model(embedded_dir, tmp_path), run, "--steps", "1", "--max-prompt-tokens", "200")) == 0
     out = tmp_path / "eval.json"
     argv = [str(run), "--dataset", "arith", "--limit", "2", "--repeats", "1", "--backend", "vllm", "--max-new-tokens", "4", "--out", str(out)]
-    interrupt_evaluation(monkeypatch, 2, lambda: os.kill(os.getpid(), signal.SIGTERM))  # as the checkpoint, after the base, begins
+    interrupt_call(monkeypatch, evaluation, "evaluate_target", 2, signal.SIGTERM)  # as the checkpoint, after the base, begins
     assert evaluation.main(argv) == 130
     assert capsys.readouterr().err.strip().splitlines()[-1] == f"interrupted: base saved in {out}; run again (without --force) for the rest"
     assert [r["checkpoint"] for r in json.loads(out.read_text())["results"]] == ["base"]
     assert engines_adapter_dirs_are_gone() and signal.getsignal(signal.SIGTERM) == signal.SIG_DFL
-    interrupt_evaluation(monkeypatch, None, None)  # never, this time
+    interrupt_call(monkeypatch, evaluation, "evaluate_target", None)  # never, this time
     with caplog.at_level(logging.INFO, logger="pods"):
         assert evaluation.main(argv) == 0
     assert "generation backend: vLLM, 2 questions" in caplog.text

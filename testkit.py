@@ -4,17 +4,19 @@ from __future__ import annotations
 
 import atexit
 import json
+import os
 import random
 import shutil
+import signal
 import subprocess
 import sys
 import tempfile
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
 import torch
 
-import eval as evaluation
 import model as models
 import sampling
 import train
@@ -125,21 +127,23 @@ def engines_adapter_dirs_are_gone() -> bool:
     return not any(vllm_sampler.adapter_dir_is_stale(p) for p in Path("/dev/shm").glob("pods-adapter-*"))
 
 
-def interrupt_evaluation(monkeypatch, at: int | None, interrupt) -> None:
-    """eval.py's evaluate_target, made to call `interrupt()` (a signal sent, a KeyboardInterrupt raised) as the `at`-th
-    target of the process begins (the base model is the 1st; None: never). A second call replaces the first."""
+def interrupt_call(monkeypatch, owner, name: str, at: int | None, interrupt: int | Callable[[], None] = signal.SIGINT) -> None:
+    """`owner.name` (a function a run calls: policy_update, checkpoint.save, eval.py's evaluate_target ...), made to
+    interrupt the run as its `at`-th call in the test begins (None: never), then to run as before. `interrupt`: a signal
+    this process sends itself (a Ctrl-C, SIGTERM), or a function (two signals, a KeyboardInterrupt, an engine that dies).
+    A second call on the same function replaces the first."""
+    original = getattr(owner, name)
+    original = getattr(original, "uninterrupted", original)
     calls = []
 
     def interrupted(*args, **kwargs):
         calls.append(1)
         if len(calls) == at:
-            interrupt()
-        return EVALUATE_TARGET(*args, **kwargs)
+            interrupt() if callable(interrupt) else os.kill(os.getpid(), interrupt)
+        return original(*args, **kwargs)
 
-    monkeypatch.setattr(evaluation, "evaluate_target", interrupted)
-
-
-EVALUATE_TARGET = evaluation.evaluate_target  # the function itself, whatever a test has put in its place
+    interrupted.uninterrupted = original
+    monkeypatch.setattr(owner, name, interrupted)
 
 
 def vllm_build() -> str | None:
