@@ -489,7 +489,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"interrupted: {str(err) or 'no checkpoint was evaluated this time'}", file=sys.stderr)
         return 130
     finally:
-        signal.signal(signal.SIGTERM, on_sigterm)
+        signal.signal(signal.SIGTERM, signal.SIG_DFL if on_sigterm is None else on_sigterm)  # None: set outside Python
     return 0
 
 

@@ -646,6 +646,20 @@ def test_eval_interrupted_keeps_the_checkpoints_it_finished_and_says_which(tiny_
     assert not out.exists()
 
 
+def test_a_sigterm_handler_set_outside_python_is_put_back_as_the_default(tiny_run, tmp_path, monkeypatch, request):
+    """signal.signal returns None for a handler an embedding host installed from C: putting None back raised TypeError."""
+    real = signal.signal
+
+    def installed_from_c(sig, handler):
+        real(sig, handler)
+        return None
+
+    request.addfinalizer(lambda before=signal.getsignal(signal.SIGTERM): real(signal.SIGTERM, before))
+    monkeypatch.setattr(signal, "signal", installed_from_c)
+    argv = [str(tiny_run), "--dataset", "arith", "--limit", "1", "--repeats", "1", "--max-new-tokens", "2", "--out", str(tmp_path / "e.json")]
+    assert evaluation.main(argv) == 0 and signal.getsignal(signal.SIGTERM) == signal.SIG_DFL
+
+
 @pytest.mark.parametrize("interrupted_at", [2, None])
 def test_a_ctrl_c_during_the_engines_shutdown_still_names_the_checkpoints_saved(tiny_run, tmp_path, monkeypatch, capsys, interrupted_at):
     """vLLM's shutdown takes seconds: a second Ctrl-C there, or a first one after the last checkpoint, said "no checkpoint

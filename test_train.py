@@ -283,6 +283,22 @@ def test_ctrl_c_or_sigterm_finishes_the_step_saves_and_exits_130(tiny_model_dir,
     assert signal.getsignal(signum) == before  # restored
 
 
+def test_handlers_set_outside_python_are_put_back_as_the_defaults(tiny_model_dir, tmp_path, monkeypatch, request, length_rewards):
+    """signal.signal returns None for a handler an embedding host installed from C: putting None back raised TypeError
+    as the run ended."""
+    real = signal.signal
+
+    def installed_from_c(sig, handler):
+        real(sig, handler)
+        return None
+
+    for sig in progress.STOP_SIGNALS:
+        request.addfinalizer(lambda sig=sig, before=signal.getsignal(sig): real(sig, before))
+    monkeypatch.setattr(signal, "signal", installed_from_c)
+    assert train.main(tiny_args(tiny_model_dir, tmp_path / "run", "--steps", "1")) == 0
+    assert [signal.getsignal(sig) for sig in progress.STOP_SIGNALS] == [signal.SIG_DFL, signal.SIG_DFL]
+
+
 @pytest.mark.parametrize("last", [["--steps", "1"], ["--steps", "5", "--time-budget", "0.0001"]], ids=["steps", "time-budget"])
 def test_ctrl_c_in_the_last_step_ends_the_run_as_done_not_interrupted(last, tiny_model_dir, tmp_path, monkeypatch, caplog, capsys, length_rewards):
     """The last step (of --steps, or the one that spends the time budget) finished and was saved, but the run said

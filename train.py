@@ -180,7 +180,7 @@ def train_loop(args, model, tokenizer, optimizer, scheduler, sampler, stream, st
                                 f"--max-grad-norm, or pass --no-bf16-autocast, then --resume")
     finally:
         for sig, handler in previous_handlers.items():  # only now: a Ctrl-C during the last save is still a first one
-            signal.signal(sig, handler)
+            signal.signal(sig, signal.SIG_DFL if handler is None else handler)  # None: set outside Python, not restorable
         bar.close()
     if stop["requested"] and state["step"] < args.steps and not progress.budget_spent(args, state):  # Ctrl-C in the last step: done
         raise KeyboardInterrupt
