@@ -50,12 +50,13 @@ def group_advantages(rewards: torch.Tensor, eps: float = 1e-4) -> torch.Tensor:
 def token_logprobs(logits: torch.Tensor, token_ids: torch.Tensor) -> torch.Tensor:
     """log pi(token_ids) under `logits`: [B, T, V] logits and [B, T] ids -> [B, T] log-probs.
 
-    log softmax(x)_y = x_y - logsumexp(x). Computed one sequence at a time, so no second
-    [B, T, V] tensor (a full log-softmax) is ever held in memory.
+    log softmax(x)_y = x_y - logsumexp(x), in float32 whatever the logits' dtype (in bfloat16 the
+    logsumexp of a large vocabulary is off by up to ~0.05). Computed one sequence at a time, so no
+    second [B, T, V] tensor (a full log-softmax) is ever held in memory.
     """
-    picked = logits.gather(dim=-1, index=token_ids.unsqueeze(-1)).squeeze(-1)
-    normalizer = torch.stack([torch.logsumexp(row, dim=-1) for row in logits])
-    return picked.float() - normalizer.float()
+    picked = logits.gather(dim=-1, index=token_ids.unsqueeze(-1)).squeeze(-1).float()
+    normalizer = torch.stack([torch.logsumexp(row.float(), dim=-1) for row in logits])
+    return picked - normalizer
 
 
 def truncated_importance_weights(logprobs: torch.Tensor, sampler_logprobs: torch.Tensor, cap: float) -> torch.Tensor:
@@ -100,6 +101,11 @@ def grpo_loss(
     averaged as the loss is, over a completion's tokens and then over completions: so a mean of
     them over micro-batches weighted by their completions is the batch's, however it was split.
     """
+    if advantages.shape != logprobs.shape[:1]:  # [groups, m] would broadcast over the tokens instead
+        raise ValueError(f"advantages must have one entry per completion, shape {tuple(logprobs.shape[:1])}, "
+                         f"got {tuple(advantages.shape)}; flatten group_advantages' [groups, m]")
+    if beta > 0 and ref_logprobs is None:
+        raise ValueError(f"beta={beta} needs ref_logprobs, the reference policy's log-probs, for the KL term")
     clip_eps_high = clip_eps if clip_eps_high is None else clip_eps_high
     keep = mask.bool()
     mask = mask.to(logprobs.dtype)

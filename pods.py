@@ -15,8 +15,10 @@ LLM Reinforcement Learning" (arXiv 2504.13818).
   picks a step's groups from several rounds of them (DAPO's dynamic sampling; not in the paper).
 
 Numpy only; accepts lists, numpy arrays and torch tensors. Every rule returns m distinct
-indices, sorted ascending. Ties are broken deterministically: a stable sort orders equal
-rewards by index, and when several candidates have the same variance (to rounding) the one
+indices, sorted ascending. Ties are broken deterministically: among equal rewards
+max_reward keeps the lowest indices; max_variance, which takes its high rewards from the top of
+an ascending stable sort, keeps the highest indices among equal high rewards and the lowest
+among equal low ones, and when several candidates have the same variance (to rounding) the one
 with the smallest k (fewest "high" rollouts) wins.
 
 Run `python pods.py` for a demonstration and a timing table against brute-force enumeration.
@@ -35,10 +37,10 @@ import numpy as np
 def _rewards_array(rewards) -> np.ndarray:
     """A 1-D float64 copy of `rewards` (list, numpy array or torch tensor on any device)."""
     if hasattr(rewards, "detach"):  # a torch tensor; numpy cannot read bf16 or CUDA memory
-        rewards = rewards.detach().float().cpu().numpy()
+        rewards = rewards.detach().cpu().double().numpy()
     r = np.asarray(rewards, dtype=np.float64)
     if r.ndim != 1:
-        raise ValueError(f"rewards must be one-dimensional, got shape {r.shape}; pass group_size to downsample() for a batch")
+        raise ValueError(f"rewards must be one-dimensional (one group, or groups back to back for downsample()), got shape {r.shape}")
     if not np.all(np.isfinite(r)):
         bad = r[~np.isfinite(r)]
         raise ValueError(f"rewards must be finite, got {bad.tolist()}; check the reward function")
@@ -133,6 +135,8 @@ def downsample(
     if rule not in RULES:
         raise ValueError(f"unknown rule {rule!r}; known rules: {', '.join(sorted(RULES))}")
     r = _rewards_array(rewards)
+    if len(r) == 0:
+        raise ValueError("rewards is empty: give each prompt's n rewards")
     n = len(r) if group_size is None else group_size
     if n < 1:
         raise ValueError(f"group_size={n} must be >= 1")

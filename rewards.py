@@ -9,7 +9,7 @@ credit for answering in the requested format
 An answer counts as correct when the content of the last <answer>...</answer>, or the last
 number anywhere in the completion, equals the reference: the authors' grader accepts either (and
 the whole text), so a right answer is scored right whatever its format. Numbers are compared
-after normalization ("$1,000.00" == "1000", "3/4" == "0.75" == "\\frac{3}{4}", "12 apples" == "12").
+after normalization ("$1,000.00" == "1 000" == "1000", "3/4" == "0.75" == "\\frac{3}{4}", "12 apples" == "12").
 
 Standard library only. No input string makes any function here raise, except
 `parse_gsm8k_solution`, which reads the dataset and rejects a row without "#### N".
@@ -40,10 +40,14 @@ MAX_NUMBER_CHARS = 64  # longer digit strings are not answers; also keeps int() 
 _ANSWER = re.compile(r"<answer>(.*?)</answer>", re.DOTALL)
 _STRUCTURE = re.compile(r"^\s*<think>.*?</think>\s*<answer>.*?</answer>\s*$", re.DOTALL)
 # A number: optional minus (not after a word character, so "5-3" reads as 5 and 3), digits
-# with optional thousands commas ("1,000" but not "1,2"), optional decimals, optional "/denominator"; or ".5";
-# or a mixed number: whole digits (not after a letter, "^", "." or ","), a space and a fraction ("2 1/2").
-_NUMBER = re.compile(r"(?:(?<![\w)])-\s?)?(?:(?<![\w^.,])\d+ {1,2}\d+/\d+|(?:\d{1,3}(?:,\d{3})+(?!\d)|\d+)(?:\.\d+)?(?:\s?/\s?\d+)?|\.\d+)")
-_MIXED = re.compile(r"(-)?\s?(\d+) {1,2}(\d+)/(\d+)")  # the parts of a mixed number _NUMBER found
+# with optional thousands commas or spaces ("1,000" and "18 000", as GSM8K's solutions write them, but not "1,2"),
+# optional decimals, optional "/denominator"; or ".5"; or a mixed number: whole digits (not after a letter, "^",
+# "." or ","), a space and a fraction ("2 1/2", not "17 000/5").
+_NUMBER = re.compile(r"(?:(?<![\w)])-\s?)?(?:(?<![\w^.,])\d+ {1,2}[1-9]\d*/\d+|(?:\d{1,3}(?:(?:,\d{3})+|(?: \d{3})+)(?!\d)|\d+)(?:\.\d+)?(?:\s?/\s?\d+)?|\.\d+)")
+_MIXED = re.compile(r"(-)?\s?(\d+) {1,2}([1-9]\d*)/(\d+)")  # the parts of a mixed number _NUMBER found
+# Digits that continue a number past one separator without forming a thousands group, "1,00", "1_000", "3,0",
+# "1 00": a run that starts with 0 there is no number of its own (it read as 0, matching a reference of 0).
+_CONTINUED = re.compile(r"\d[,_ ]0")
 # What precedes the minus of a subtraction written with spaces, "10 - 3": a number or ")" and then spaces.
 _OPERAND_BEFORE = re.compile(r"[\d)][ \t]+$")
 # A markdown bullet: "-" starting a line (after optional indentation) and followed by a space or tab.
@@ -63,6 +67,8 @@ def _numbers(text: str, list_markers: bool = True) -> list[str]:
     found = []
     for number in _NUMBER.finditer(text):
         written = number[0]
+        if number.start() >= 2 and _CONTINUED.match(text, number.start() - 2):
+            continue  # "1,00" reads as 1, not as 1 and 00
         if written.startswith("-") and _OPERAND_BEFORE.search(text, max(0, number.start() - 16), number.start()):
             written = written[1:].lstrip()  # "10 - 3": a subtraction, whose last number is 3
         found.append(written)

@@ -93,6 +93,8 @@ def test_accepts_lists_numpy_and_torch():
     assert pods.max_variance_downsample(np.array(r), 4) == expected
     assert pods.max_variance_downsample(torch.tensor(r), 4) == expected
     assert pods.max_variance_downsample(torch.tensor(r, dtype=torch.bfloat16), 4) == expected
+    close = [1.0, 1.0 + 1e-9, 0.0]  # float64 rewards are read as float64, as numpy's: they were rounded to float32
+    assert pods.max_reward_downsample(torch.tensor(close, dtype=torch.float64), 1) == pods.max_reward_downsample(close, 1) == [1]
 
 
 @pytest.mark.parametrize("rule", sorted(pods.RULES))
@@ -148,6 +150,12 @@ def test_random_rule_draws_every_subset_of_m_equally_whatever_the_rewards():
         (lambda: pods.random_downsample([1.0, float("inf")], 1), "rewards must be finite, got [inf]"),
         (lambda: pods.downsample([1.0, 2.0], 1, rule="best"), "unknown rule 'best'; known rules: max_reward, max_variance, random"),
         (lambda: pods.downsample([1.0, 2.0], 3, group_size=2), "m=3 must be <= n=2"),
+        (lambda: pods.downsample([], 1), "rewards is empty"),  # said "group_size=0 must be >= 1", unasked
+        (lambda: pods.downsample(np.zeros((2, 4)), 2, group_size=4), "one-dimensional (one group, or groups back to back"),
+        (lambda: grpo.grpo_loss(torch.zeros(4, 4), torch.zeros(4, 4), torch.zeros(1, 4), torch.ones(4, 4)),
+         "advantages must have one entry per completion, shape (4,), got (1, 4)"),  # [groups, m] broadcast over the tokens
+        (lambda: grpo.grpo_loss(torch.zeros(1, 2), torch.zeros(1, 2), torch.zeros(1), torch.ones(1, 2), beta=0.1),
+         "beta=0.1 needs ref_logprobs"),  # the KL term was left out without a word
     ],
 )
 def test_bad_input_raises_a_value_error_naming_the_values(call, message):
@@ -397,6 +405,15 @@ def test_token_logprobs_matches_log_softmax():
     assert torch.allclose(grpo.token_logprobs(logits, ids), expected, atol=1e-6)
 
 
+def test_token_logprobs_of_bfloat16_logits_are_computed_in_float32():
+    """A logsumexp over a vocabulary in bfloat16 was off by up to ~0.05; now only the logits' own rounding remains."""
+    logits = (4 * torch.randn(2, 3, 1000, generator=torch.Generator().manual_seed(0))).bfloat16()
+    ids = torch.randint(0, 1000, (2, 3), generator=torch.Generator().manual_seed(1))
+    expected = torch.log_softmax(logits.float(), -1).gather(-1, ids.unsqueeze(-1)).squeeze(-1)
+    got = grpo.token_logprobs(logits, ids)
+    assert got.dtype == torch.float32 and torch.allclose(got, expected, atol=1e-5)
+
+
 def test_grpo_loss_hand_computed():
     logprobs = torch.tensor([[-1.0, -1.0], [-2.0, -2.0]])
     old = torch.tensor([[-1.0, -1.0 - np.log(2.0)], [-2.0, -2.0]])  # token (0,1): ratio 2
@@ -518,7 +535,13 @@ LENIENCY_TABLE = [
     ("<answer>2\\frac{1}{2}</answer>", "10.5", False),  # not read as 21/2
     ("<answer>72</answer><answer>7</answer>", "72", False),  # the last tag and the last number are both 7
     ("<answer>-5</answer>", "5", False),  # theirs: right (their last match drops the sign); not copied
-    ("<answer>1 000</answer>", "1000", False),  # theirs: right (spaces removed); not matched
+    ("<answer>1 000</answer>", "1000", True),  # was 0: thousands grouped by spaces, as GSM8K's own solutions write them
+    ("<answer>17 000/5</answer>", "3400", True),  # was 0: not the mixed number 17 0/5
+    ("<answer>1 00</answer>", "0", False),  # was 1: its last number was 00
+    ("<answer>1,00</answer>", "0", False),  # was 1
+    ("<answer>1_000</answer>", "0", False),  # was 1
+    ("<answer>3,0</answer>", "0", False),  # was 1 (3.0, written with a decimal comma)
+    ("<answer>1, 0</answer>", "0", True),  # a list: 0 is a number of its own
 ]
 
 
