@@ -287,6 +287,26 @@ def write_config(out_dir: Path, settings: dict, resumed_step: int | None = None)
     write_atomic(path, json.dumps(settings | ({"changed_on_resume": history} if history else {}), indent=2))
 
 
+def check_nothing_else_is_replaced(out_dir: Path, resuming: bool) -> None:
+    """Refuses in one line, before anything loads, what a run would overwrite in out_dir that is not its own: a
+    config.json that train.py did not write (a model directory's), or, for a run that starts, a checkpoint-STEP
+    directory (another trainer's, or a run copied in part), which the save at that step would delete. (A resumed run
+    replaces an incomplete checkpoint after the one it continues from: its own, damaged; `find` warns of it.)"""
+    path = out_dir / "config.json"
+    if path.exists():
+        try:
+            saved = json.loads(path.read_text())
+        except (OSError, UnicodeDecodeError, ValueError) as err:  # (json's JSONDecodeError is a ValueError)
+            raise CheckpointError(f"{path} cannot be read ({str(err).splitlines()[0][:120]}): it holds the run's settings; "
+                                  f"copy the run again, or choose another --out-dir") from None
+        if not isinstance(saved, dict) or "model_resolved" not in saved:
+            raise config.UsageError(f"{path} was not written by train.py (a model's?), and a run would replace it; choose another --out-dir")
+    others = sorted(p.name for p in out_dir.glob("checkpoint-*") if p.is_dir() and p.name.split("-")[-1].isdigit())
+    if others and not resuming:
+        raise config.UsageError(f"{out_dir} holds {', '.join(others)}, incomplete (another trainer's, or a run copied in part), which "
+                                f"this run would replace: move it away, or choose another --out-dir")
+
+
 def make_out_dir(out_dir: Path) -> None:
     """--out-dir as a directory this process can write into, made before the model loads, so that a wrong
     path costs nothing (a file of that name, a parent that is a file, no permission)."""
@@ -345,6 +365,9 @@ def continues(resume: str, out_dir: Path, found: list[Path]) -> bool:
         return bool(found)
     if resume == "yes" and not found:
         raise config.UsageError(f"--resume: no checkpoint-STEP directory in {out_dir} (--resume auto starts a run when there is none)")
-    if resume == "no" and (found or has_metrics):
+    if resume == "no" and found:
         raise config.UsageError(f"{out_dir} already holds a run; pass --resume to continue it or choose another --out-dir")
+    if resume == "no" and has_metrics:  # a run that stopped before its first checkpoint: --resume would find none
+        raise config.UsageError(f"{out_dir} holds a run that saved no checkpoint; pass --resume auto to start it again, "
+                                f"or choose another --out-dir")
     return resume == "yes"

@@ -26,6 +26,7 @@ log = logging.getLogger("pods")
 RULES = ("max_variance", "max_reward", "random", "none")
 RESUME_MODES = ("no", "yes", "auto")
 UNIFORM_GROUPS = ("keep", "skip", "refill")  # --uniform-groups: what a step does with groups whose kept rewards are all equal
+MAX_SEED = 2**31  # --seed below it: ranks and eval's repeats add to it, and vLLM seeds numpy (32-bit) with it
 
 PROFILES = {
     "gpu": dict(prompts_per_step=1, max_new_tokens=512, lr=5e-6, lora_rank=64, lora_alpha=64, micro_batch=4, steps=1000,
@@ -133,6 +134,7 @@ def resolve(args, device: str, world_size: int = 1):
         raise UsageError(f"unknown --uniform-groups {args.uniform_groups!r}; choose one of {', '.join(UNIFORM_GROUPS)}")
     if args.backend not in ("auto", "vllm", "hf"):
         raise UsageError(f"unknown --backend {args.backend!r}; choose vllm, hf or auto")
+    vllm_sampler.uses_vllm(args.backend, device)  # --backend vllm without vLLM: said now, not once the model has loaded
     if args.temperature <= 0:
         raise UsageError(f"--temperature {args.temperature} must be > 0: GRPO samples its rollouts")
     if args.beta < 0:
@@ -147,6 +149,8 @@ def resolve(args, device: str, world_size: int = 1):
     for name in ("seed", "time_budget", "save_every_steps", "save_every_minutes"):  # 0: no limit, or off
         if getattr(args, name) < 0:
             raise UsageError(f"--{name.replace('_', '-')} {getattr(args, name)} must be >= 0")
+    if args.seed >= MAX_SEED:
+        raise UsageError(f"--seed {args.seed} must be < 2^31 = {MAX_SEED}")
     if args.prompts_per_step % world_size:
         raise UsageError(f"--prompts-per-step {args.prompts_per_step} does not divide among {world_size} processes: "
                          f"it counts the prompts of a step over all of them; pass a multiple of {world_size}")

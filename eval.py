@@ -408,6 +408,24 @@ def default_dataset(trained: dict) -> str:
     return data.ARITH
 
 
+EVALUATION_FLAGS = ("limit", "samples", "repeats", "temperature", "max_new_tokens", "seed", "backend", "gpu_memory_utilization",
+                    "vllm_kv_cache_gb", "enforce_eager", "force")
+PLOT_FLAGS = ("baseline", "target_frac")
+
+
+def check_flags_apply(args, parser) -> None:
+    """Refuses, in one line, flags given that the chosen mode would ignore (a figure was drawn as if filtered by --limit)."""
+    if args.plot_train:
+        mode, unused = "--plot-train (it reads metrics.jsonl alone)", (*EVALUATION_FLAGS, "dataset", *PLOT_FLAGS)
+    elif args.plot:
+        mode, unused = "--plot (it reads the results eval.py saved)", EVALUATION_FLAGS
+    else:
+        mode, unused = "evaluating a PATH (they are --plot's)", PLOT_FLAGS
+    given = [f"--{name.replace('_', '-')}" for name in unused if getattr(args, name) != parser.get_default(name)]
+    if given:
+        raise EvalError(f"{', '.join(given)} {'does' if len(given) == 1 else 'do'} not apply to {mode}; leave {'it' if len(given) == 1 else 'them'} out")
+
+
 def main(argv: list[str] | None = None) -> int:
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(message)s", datefmt="%H:%M:%S")
     for noisy in ("httpx", "transformers", "huggingface_hub"):
@@ -448,6 +466,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         if sum(map(bool, (args.path, args.plot, args.plot_train))) > 1:
             raise EvalError("give one of PATH (evaluate it), --plot RUN_DIR ... or --plot-train RUN_DIR ..., not several")
+        check_flags_apply(args, parser)
         if args.plot_train:
             out = Path(args.out or "training_curves.png")
             plot.check_figure_path(out)
@@ -474,6 +493,8 @@ def main(argv: list[str] | None = None) -> int:
         for name in ("samples", "repeats", "max_new_tokens"):
             if getattr(args, name) < 1:
                 raise EvalError(f"--{name.replace('_', '-')} {getattr(args, name)} must be >= 1")
+        if not 0 <= args.seed < config.MAX_SEED:
+            raise EvalError(f"--seed {args.seed} must be in [0, 2^31 = {config.MAX_SEED})")
         if not 0 < args.temperature < math.inf:  # (NaN too)
             raise EvalError(f"--temperature {args.temperature} must be a number > 0: repeats measure sampling variation")
         vllm_sampler.check_vllm_memory_flags(args.gpu_memory_utilization, args.vllm_kv_cache_gb)

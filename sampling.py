@@ -5,8 +5,9 @@ Generation is the cheap, parallel phase; PODS then keeps only m of the n rollout
 expensive update (pods.py).
 
 `HFSampler` runs a short decode loop of its own (prefill each prompt once, copy its cache to its n
-rows, decode one token per row per step: decode.py makes that step fast), on a copy of the policy with the LoRA merged in (bfloat16,
-or float32 on a CPU without bfloat16 arithmetic), refreshed after every update. It works anywhere,
+rows, decode one token per row per step: decode.py makes that step fast). train.py and eval.py sample from a copy of the policy
+with the LoRA merged in (`merged=True`: bfloat16, or float32 on a CPU without bfloat16 arithmetic), refreshed after every
+update; without it, from the PEFT model itself. It works anywhere,
 including a CPU with no GPU. vllm_sampler.VLLMSampler is the GPU backend with the same interface,
 `sampler.generate(prompts, n) -> list[list[Rollout]]`. `generate_and_score` runs either on a batch and scores
 every rollout with the reward (rewards.py): Algorithm 1's steps 2-3.

@@ -347,6 +347,18 @@ def test_plot_refuses_in_one_line_what_it_cannot_read_honestly(tmp_path, capsys,
     assert "give one of PATH (evaluate it), --plot RUN_DIR ... or --plot-train RUN_DIR ..., not several" in capsys.readouterr().err
 
 
+@pytest.mark.parametrize("argv, message", [
+    (["--plot-train", "r", "--limit", "5", "--repeats", "3"], "--limit, --repeats do not apply to --plot-train (it reads metrics.jsonl alone); "
+                                                              "leave them out"),
+    (["--plot", "r", "--temperature", "0.1"], "--temperature does not apply to --plot (it reads the results eval.py saved); leave it out"),
+    (["r", "--baseline", "GRPO"], "--baseline does not apply to evaluating a PATH (they are --plot's); leave it out"),
+])
+def test_a_flag_the_mode_would_ignore_is_refused_in_one_line(argv, message, capsys):
+    """--plot-train with --limit 5 drew its figure from every row, as if the flag had filtered it."""
+    assert evaluation.main(argv) == 2
+    assert capsys.readouterr().err == f"error: {message}\n"
+
+
 def test_up_to_ends_every_run_at_one_time_interpolating_where_a_run_went_on():
     groups = {"a": [([0, 60, 180], [0.1, 0.4, 0.7]), ([0, 120], [0.2, 0.6])], "b": [([0, 90], [0.0, 0.9])]}
     assert plot.up_to(groups, 90) == {"a": [([0, 60, 90], [0.1, 0.4, 0.475]), ([0, 90], [0.2, 0.5])],
@@ -441,8 +453,10 @@ def test_plot_prints_the_target_beside_the_times_and_the_speedup_for_each_target
 
 @pytest.mark.parametrize("argv, message", [(["--temperature", "nan"], "--temperature nan must be a number > 0"),
                                            (["--temperature", "inf"], "--temperature inf must be a number > 0"),
-                                           (["--vllm-kv-cache-gb", "nan"], "--vllm-kv-cache-gb nan must be > 0")])
-def test_eval_refuses_a_temperature_or_cache_size_that_is_not_a_number_in_one_line(argv, message, tiny_run, capsys):
+                                           (["--vllm-kv-cache-gb", "nan"], "--vllm-kv-cache-gb nan must be > 0"),
+                                           (["--seed", "-3"], "--seed -3 must be in [0, 2^31 = 2147483648)"),  # train.py refused it
+                                           (["--seed", str(2**64)], f"--seed {2**64} must be in [0, 2^31")])  # a traceback, once loaded
+def test_eval_refuses_a_temperature_cache_size_or_seed_out_of_range_in_one_line(argv, message, tiny_run, capsys):
     """--temperature nan passed the check `<= 0` and wrote results with temperature NaN."""
     assert evaluation.main([str(tiny_run), *argv]) == 2
     assert capsys.readouterr().err.startswith(f"error: {message}")

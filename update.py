@@ -63,7 +63,7 @@ def completion_logprobs(model, rollouts: list[Rollout], temperature: float, pad_
     position_ids = (attention.cumsum(dim=1) - 1).clamp(min=0)  # as generate() numbers a left-padded prompt
     logits = model(input_ids=ids, attention_mask=attention, position_ids=position_ids,
                    logits_to_keep=last_positions(C + 1, P + C, device), use_cache=False).logits
-    logits = logits[:, :-1].float() / temperature  # position t predicts token t + 1; float32 even under autocast
+    logits = logits[:, :-1].float() / temperature  # position t predicts token t + 1; softmax in float32 (autocast: bf16 logits)
     logprobs = grpo.token_logprobs(logits, torch.tensor(targets, device=device))
     return logprobs, torch.tensor(mask, device=device)
 
