@@ -277,26 +277,20 @@ def test_vllm_refill_draws_a_second_round_for_the_uniform_group_and_trains_on_th
     assert all(r["skipped"] == 0 and r["grad_norm"] > 0 for r in rows)
 
 
-class FakeCompletion:
-    def __init__(self, finish_reason: str):
-        self.token_ids, self.finish_reason, self.logprobs = [7, 2], finish_reason, None
-
-
 class FakeLLM:
-    """vLLM's LLM at the boundary: returns one output per prompt with the given finish reasons."""
+    """vLLM's LLM at the boundary: returns, for each prompt, the given completions (finish reason, token ids)."""
 
-    def __init__(self, reasons: list[str]):
-        self.reasons = reasons
+    def __init__(self, completions: list[tuple[str, list[int]]]):
+        self.completions = completions
 
     def generate(self, inputs, params, lora_request=None, use_tqdm=False):
-        from types import SimpleNamespace
+        completions = [types.SimpleNamespace(finish_reason=r, token_ids=ids, logprobs=None) for r, ids in self.completions]
+        return [types.SimpleNamespace(outputs=completions) for _ in inputs]
 
-        return [SimpleNamespace(outputs=[FakeCompletion(r) for r in self.reasons]) for _ in inputs]
 
-
-def fake_vllm_sampler(tokenizer, reasons: list[str]) -> vllm_sampler.VLLMSampler:
+def fake_vllm_sampler(tokenizer, completions: list[tuple[str, list[int]]]) -> vllm_sampler.VLLMSampler:
     sampler = object.__new__(vllm_sampler.VLLMSampler)  # no engine: only generate's handling of outputs is tested
-    sampler.llm, sampler.tokenizer, sampler.lora_request = FakeLLM(reasons), tokenizer, None
+    sampler.llm, sampler.tokenizer, sampler.lora_request = FakeLLM(completions), tokenizer, None
     sampler.max_new_tokens, sampler.temperature, sampler.stops, sampler.logprobs = 4, 0.9, {2}, False
     return sampler
 
@@ -307,10 +301,11 @@ def test_vllm_sampler_raises_on_aborted_rollouts_instead_of_returning_them(tiny_
 
     monkeypatch.setitem(sys.modules, "vllm", types.SimpleNamespace(SamplingParams=lambda **kwargs: kwargs))
     tokenizer = AutoTokenizer.from_pretrained(tiny_model_dir)
-    groups = fake_vllm_sampler(tokenizer, ["stop", "length"]).generate([[1, 2]], 2)
-    assert [r.truncated for r in groups[0]] == [False, True]
+    # the stop token 2 as the last token allowed: "length" where vLLM checks the length first (older V1 engines), not truncated
+    groups = fake_vllm_sampler(tokenizer, [("stop", [7, 2]), ("length", [7, 8]), ("length", [7, 2])]).generate([[1, 2]], 3)
+    assert [r.truncated for r in groups[0]] == [False, True, False] and [r.completion_ids for r in groups[0]] == [[7, 2], [7, 8], [7, 2]]
     with pytest.raises(vllm_sampler.GenerationAborted, match="1 unfinished rollouts .finish_reason 'abort'"):
-        fake_vllm_sampler(tokenizer, ["stop", "abort"]).generate([[1, 2]], 2)
+        fake_vllm_sampler(tokenizer, [("stop", [7, 2]), ("abort", [7])]).generate([[1, 2]], 2)
 
 
 def test_vllm_lora_rank_rounds_up_to_an_allowed_rank_and_refuses_above_512():
@@ -450,8 +445,10 @@ def test_adapter_hand_over_falls_back_to_disk_when_shared_memory_is_small_and_re
     vllm_sampler.remove_hand_over_dir(chosen, lock)
     monkeypatch.setattr(shutil, "disk_usage", lambda path: SimpleNamespace(free=2**40))
     if Path("/dev/shm").is_dir() and os.access("/dev/shm", os.W_OK):
+        killed = tmp_path / "run" / f"pods-adapter-{dead.pid}-old"  # a killed run's, on disk: it stayed while /dev/shm had room
+        killed.mkdir()
         roomy, lock = vllm_sampler.adapter_hand_over_dir(230 * 2**20, tmp_path / "run")
-        assert roomy.parent == Path("/dev/shm")
+        assert roomy.parent == Path("/dev/shm") and not killed.exists()
         vllm_sampler.remove_hand_over_dir(roomy, lock)
         # room for one process's hand-over, not for 8 ranks' on this machine (each checked alone, all passed, then filled it)
         monkeypatch.setattr(shutil, "disk_usage", lambda path: SimpleNamespace(free=1024 * 2**20))
@@ -654,5 +651,6 @@ def test_update_weights_opens_no_connection_for_a_hub_model(tiny_model_dir, tmp_
     model.peft_config["default"].base_model_name_or_path = "Qwen/Qwen2.5-3B-Instruct"
     sampler = object.__new__(vllm_sampler.VLLMSampler)
     sampler.live_dir, sampler.lora_request, sampler.adapter_version = tmp_path, None, 0
+    (tmp_path / "v1").mkdir()  # left by a hand-over that failed part-way (a full /dev/shm): the next one raised FileExistsError
     sampler.update_weights(model)
     assert attempts == [] and (tmp_path / "v1" / "adapter_model.safetensors").exists()

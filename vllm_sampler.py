@@ -124,6 +124,7 @@ def adapter_hand_over_dir(adapter_bytes: int, fallback: Path) -> tuple[Path, int
                      free / 2**20, needed / 2**20, fallback)
     if root == fallback:
         fallback.mkdir(parents=True, exist_ok=True)
+    if fallback.is_dir():  # a killed run's, from a start when /dev/shm was too small: removed whichever this run takes
         remove_stale_adapter_dirs(fallback)
     return locked_dir(root)
 
@@ -279,7 +280,7 @@ class VLLMSampler:
         from safetensors.torch import save_file
 
         path = self.live_dir / f"v{self.adapter_version + 1}"
-        path.mkdir()
+        path.mkdir(exist_ok=True)  # (left by a hand-over that failed part-way)
         # save_embedding_layers=False: with "auto", peft asks the model hub about the base model at every call
         state = get_peft_model_state_dict(model, save_embedding_layers=False)
         weights = {k: v.detach().to(torch.bfloat16).contiguous() for k, v in state.items()}
@@ -353,9 +354,9 @@ class VLLMSampler:
         for prompt, out in zip(prompts, outputs):
             group = []
             for o in out.outputs:
-                completion, _ = cut_at_stop(list(o.token_ids), self.stops)
+                completion, no_stop = cut_at_stop(list(o.token_ids), self.stops)
                 rollout = Rollout(prompt, completion, self.tokenizer.decode(completion, skip_special_tokens=True),
-                                  truncated=o.finish_reason == "length")
+                                  truncated=o.finish_reason == "length" and no_stop)  # a stop as the last allowed token ends it
                 if logprobs:  # vLLM's log-probability of each sampled token, at the sampling temperature
                     rollout.logprobs = [step[t].logprob for t, step in zip(completion, o.logprobs)]
                 group.append(rollout)
