@@ -78,8 +78,9 @@ def _numbers(text: str, list_markers: bool = True) -> list[str]:
 def normalize_number(s: str | None, list_markers: bool = True) -> str | None:
     """The last number in `s` in canonical form, or None if there is none.
 
-    Tolerates "$", thousands commas, "%", a trailing ".", units and words around the number, and
-    LaTeX ("\\boxed{12}", "\\frac{3}{4}", "1{,}000").
+    Tolerates "$", thousands commas or spaces ("18 000", as GSM8K's solutions write it; "100 200 300" too reads
+    as one number, as the authors' grader, which drops spaces, reads it), "%", a trailing ".", units and words
+    around the number, and LaTeX ("\\boxed{12}", "\\frac{3}{4}", "1{,}000").
     With `list_markers` (`s` is a completion's text), a "- " that starts a line (or the text), after
     optional indentation, is a markdown bullet: "\\n- 72" gives "72". Without (`s` is an answer already
     extracted, such as an <answer> tag's content), "- 72" gives "-72". A minus after a number and a space
