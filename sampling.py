@@ -203,6 +203,8 @@ def prefill(model, prompts: list[list[int]], pad: int, share_prefix: bool = Fals
     prompt and chat template: 92 of the ~116 tokens of an arith prompt for SmolLM2) are computed once and their cache
     copied to every row; then only the rest of each prompt, left-padded after the prefix. eval.py's 64 arith prompts
     a batch: 30 of a 46 s batch on a 2-core CPU was the prefill (measured); docs/speed.md has the figures."""
+    if not all(prompts):  # nothing to predict the first token from (and the shared prefix came out as -1 tokens)
+        raise ValueError("every prompt needs at least one token; build prompts with build_prompt")
     device = next(model.parameters()).device
     shared = min(len(os.path.commonprefix(prompts)), min(map(len, prompts)) - 1) if share_prefix and len(prompts) > 1 else 0
     past = {}

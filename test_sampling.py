@@ -67,6 +67,15 @@ def test_a_prefix_every_prompt_shares_is_prefilled_once_and_samples_what_prefill
     assert shapes[1][2:] == shapes[0][1:] == [(2 * len(prompts), 1)] * (len(shapes[0]) - 1)  # the decode steps
 
 
+def test_an_empty_prompt_is_refused_in_one_line(tiny_model_dir):
+    """The shared prefix of [[20, 21], []] came out as -1 tokens, and the rows' widths then disagreed."""
+    model, tokenizer = lora_policy(tiny_model_dir)
+    for share in (False, True):
+        sampler = sampling.HFSampler(model, tokenizer, max_new_tokens=2, temperature=0.9, share_prompt=share)
+        with pytest.raises(ValueError, match="^every prompt needs at least one token; build prompts with build_prompt$"):
+            sampler.generate([[20, 21], []], 2)
+
+
 def test_sample_tokens_draws_from_the_tempered_distribution_and_returns_its_log_probability():
     logits = torch.tensor([[2.0, 1.0, -1e9, 0.0, -1e9]]).repeat(20_000, 1)  # two tokens impossible
     torch.manual_seed(0)
