@@ -8,6 +8,7 @@ import json
 import math
 import shutil
 import signal
+import threading
 from pathlib import Path
 
 import numpy as np
@@ -672,6 +673,16 @@ def test_a_sigterm_handler_set_outside_python_is_put_back_as_the_default(tiny_ru
     monkeypatch.setattr(signal, "signal", installed_from_c)
     argv = [str(tiny_run), "--dataset", "arith", "--limit", "1", "--repeats", "1", "--max-new-tokens", "2", "--out", str(tmp_path / "e.json")]
     assert evaluation.main(argv) == 0 and signal.getsignal(signal.SIGTERM) == signal.SIG_DFL
+
+
+def test_eval_off_the_main_thread_runs_without_a_sigterm_handler(tiny_run, tmp_path):
+    """signal.signal raises ValueError off the main thread (a notebook's worker thread): eval.py died there."""
+    argv = [str(tiny_run), "--dataset", "arith", "--limit", "1", "--repeats", "1", "--max-new-tokens", "2", "--out", str(tmp_path / "e.json")]
+    result = []
+    thread = threading.Thread(target=lambda: result.append(evaluation.main(argv)))
+    thread.start()
+    thread.join()
+    assert result == [0] and len(json.loads((tmp_path / "e.json").read_text())["results"]) == 3  # the base and two checkpoints
 
 
 @pytest.mark.parametrize("interrupted_at", [2, None])

@@ -15,6 +15,7 @@ import shutil
 import signal
 import subprocess
 import sys
+import threading
 import time
 import types
 from pathlib import Path
@@ -309,6 +310,15 @@ def test_handlers_set_outside_python_are_put_back_as_the_defaults(tiny_model_dir
     monkeypatch.setattr(signal, "signal", installed_from_c)
     assert train.main(tiny_args(tiny_model_dir, tmp_path / "run", "--steps", "1")) == 0
     assert [signal.getsignal(sig) for sig in progress.STOP_SIGNALS] == [signal.SIG_DFL, signal.SIG_DFL]
+
+
+def test_a_run_started_off_the_main_thread_trains_without_signal_handlers(tiny_model_dir, tmp_path, length_rewards):
+    """signal.signal raises ValueError off the main thread (a notebook's worker thread, a job runner's): the run died there."""
+    result = []
+    thread = threading.Thread(target=lambda: result.append(train.main(tiny_args(tiny_model_dir, tmp_path / "run", "--steps", "1"))))
+    thread.start()
+    thread.join()
+    assert result == [0] and [p.name for p in checkpoint.find(tmp_path / "run")] == ["checkpoint-1"]
 
 
 @pytest.mark.parametrize("last", [["--steps", "1"], ["--steps", "5", "--time-budget", "0.0001"]], ids=["steps", "time-budget"])

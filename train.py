@@ -32,6 +32,7 @@ import math
 import os
 import signal
 import sys
+import threading
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -123,7 +124,8 @@ def train_loop(args, model, tokenizer, optimizer, scheduler, sampler, stream, st
     loop on its share of the prompts; `distributed.any_rank` and `reduce_row` keep the ranks agreeing on when to
     stop and on what to report, and only rank 0 writes."""
     stop = {"requested": False}
-    previous_handlers = {sig: signal.signal(sig, progress.ctrl_c_handler(stop)) for sig in progress.STOP_SIGNALS}
+    previous_handlers = {sig: signal.signal(sig, progress.ctrl_c_handler(stop)) for sig in progress.STOP_SIGNALS
+                         if threading.current_thread() is threading.main_thread()}  # (Python sets handlers there only)
     last_save_s = state["elapsed_s"]
     last_saved_step = state["step"] if resumed else -1  # a fresh run stopped before its first step still saves checkpoint-0
     bar = progress.progress_bar(args, state, world)
