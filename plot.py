@@ -38,7 +38,9 @@ class PlotError(ValueError):
 
 
 def time_to_reach(times: list[float], accuracies: list[float], target: float) -> float | None:
-    """The first evaluated time at which accuracy >= target, or None if it never gets there."""
+    """The first time of the curve at which accuracy >= target, or None if it never gets there. The curve's times
+    are evaluations; on a mean over seeds (mean_curve), each seed's, the others interpolated there, and the end of
+    the window read (up_to), interpolated between the evaluations around it."""
     for t, a in zip(times, accuracies):
         if a >= target - 1e-12:
             return t
@@ -118,15 +120,39 @@ def read_results(path: Path, fix: str) -> dict:
     return stored
 
 
+# What the settings of one comparison share: the model and the task (other ones are refused), and the objective and
+# its optimisation (other values are named beside the table: the labels show the rule, n, m and --uniform-groups only)
+TASK_FIELDS = ("model_resolved", "dataset")
+OBJECTIVE_FIELDS = ("prompts_per_step", "max_prompt_tokens", "max_new_tokens", "temperature", "lr", "adam_beta1", "adam_beta2",
+                    "weight_decay", "max_grad_norm", "warmup_ratio", "lora_rank", "lora_alpha", "clip_eps", "clip_eps_high", "beta",
+                    "tis_cap")
+
+
+def setting_differences(first_config: dict[str, tuple[Path, dict]]) -> list[str]:
+    """Each setting's first run against the first setting's (all its runs agree, group_curves): another model or
+    task is refused, and the OBJECTIVE_FIELDS that differ are returned as text."""
+    (base_label, (base_run, base)), *others = first_config.items()
+    differences = []
+    for label, (run, config) in others:
+        for key in TASK_FIELDS:
+            if config.get(key) != base.get(key):
+                raise PlotError(f"{run} ({label}) and {base_run} ({base_label}) trained with {key} {setting_text(config, key)} "
+                                f"against {setting_text(base, key)}; a speed-up compares settings on one model and task")
+        differences += [f"{key} {setting_text(config, key)} in {label} against {setting_text(base, key)} in {base_label}"
+                        for key in OBJECTIVE_FIELDS if config.get(key) != base.get(key)]
+    return differences
+
+
 def group_curves(run_dirs: list[Path], results_file: str | None, clock=None
-                 ) -> tuple[dict[str, list[tuple[list[float], list[float]]]], dict[str, list[int]], dict[int, str]]:
+                 ) -> tuple[dict[str, list[tuple[list[float], list[float]]]], dict[str, list[int]], dict[int, str], list[str]]:
     """Accuracy curves grouped by label (rule, n, m), each group's runs in the order of their seeds,
     each group's seeds in that order (so the i-th runs of two groups with the same seeds are a pair),
     and each seed's precision (run_precision). Runs of one label must differ only in their seed and
     precision, every run must have been evaluated with the same settings but precision, and a seed's
     runs in one precision. `results_file` names the file each run's evaluation is read from (eval.results_name
     of a dataset; None: the run's only eval-*.json). Times are each run's own training seconds, or those
-    of `clock.at_steps` (the reproduction's reference clock, reproduce/reference_clock.py)."""
+    of `clock.at_steps` (the reproduction's reference clock, reproduce/reference_clock.py). Last, how the settings
+    differ beyond their labels (setting_differences)."""
     groups: dict[str, list[tuple[list[float], list[float]]]] = {}
     seeds: dict[str, list[int]] = {}
     precisions: dict[int, tuple[str, Path]] = {}
@@ -179,7 +205,7 @@ def group_curves(run_dirs: list[Path], results_file: str | None, clock=None
     order = {label: sorted(range(len(runs)), key=lambda i: seeds[label][i]) for label, runs in groups.items()}
     return ({label: [runs[i] for i in order[label]] for label, runs in groups.items()},
             {label: [seeds[label][i] for i in order[label]] for label in groups},
-            {seed: precision for seed, (precision, _) in sorted(precisions.items())})
+            {seed: precision for seed, (precision, _) in sorted(precisions.items())}, setting_differences(first_config))
 
 
 def run_up_to(run: tuple[list[float], list[float]], end: float) -> tuple[list[float], list[float]]:
@@ -226,22 +252,27 @@ class Comparison:
     precisions: dict[int, str]
     horizon: float  # the shortest run's end, seconds
     baseline: str
+    differences: list[str]  # settings that differ beyond the labels (setting_differences)
 
 
 def compare(run_dirs: list[Path], results_file: str | None, baseline: str | None, clock=None) -> Comparison:
     """The runs grouped by setting and read up to the shortest run's end; the baseline is the one given,
-    else the first GRPO setting."""
-    whole, seeds, precisions = group_curves(run_dirs, results_file, clock)
+    else the GRPO setting (the one without --uniform-groups skip or refill, DAPO's variants, where there is one)."""
+    whole, seeds, precisions, differences = group_curves(run_dirs, results_file, clock)
     horizon = min(t[-1] for runs in whole.values() for t, _ in runs)
     groups = up_to(whole, horizon)
     curves = {label: mean_curve(runs) for label, runs in groups.items()}
     if len(curves) < 2:
         raise PlotError(f"nothing to compare: all runs are {next(iter(curves))}; pass runs of at least two settings")
-    grpo_labels = [label for label in curves if label.startswith("GRPO")]
-    baseline = baseline or (grpo_labels[0] if grpo_labels else None)
+    if baseline is None:
+        grpo = [label for label in curves if label.startswith("GRPO")]
+        vanilla = [label for label in grpo if not label.endswith((" skip", " refill"))] or grpo
+        if len(vanilla) > 1:
+            raise PlotError(f"several GRPO settings ({', '.join(vanilla)}); pass --baseline to name the one to compare with")
+        baseline = vanilla[0] if vanilla else None
     if baseline not in curves:
         raise PlotError(f"baseline {baseline!r} is not among the runs ({', '.join(curves)}); pass --baseline")
-    return Comparison(whole, groups, curves, seeds, precisions, horizon, baseline)
+    return Comparison(whole, groups, curves, seeds, precisions, horizon, baseline, differences)
 
 
 # ----------------------------------------------------------------------------- figures and the speed-up table
@@ -320,7 +351,8 @@ def plot(run_dirs: list[Path], out: Path, results_file: str | None, baseline: st
     """Draw the figure into `out` and return the speed-up table, every run read up to the shortest one's end."""
     comparison = compare(run_dirs, results_file, baseline)
     draw(comparison, out, frac)
-    return "\n".join([f"every run is read up to the shortest run's end, {comparison.horizon / 60:.1f} min", "",
+    differ = [f"the settings differ beyond their labels: {'; '.join(comparison.differences)}"] if comparison.differences else []
+    return "\n".join([f"every run is read up to the shortest run's end, {comparison.horizon / 60:.1f} min", *differ, "",
                       *speedup_table(comparison, frac)])
 
 

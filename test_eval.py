@@ -295,6 +295,33 @@ def test_plot_writes_a_png_and_prints_the_speedup_table(tmp_path, capsys):
     assert "never reached" in out
 
 
+def test_plot_refuses_another_model_names_other_settings_and_picks_vanilla_grpo_as_the_baseline(tmp_path, capsys):
+    """Settings were checked against each other only within a label: a baseline on another model, or at another --lr,
+    gave a speed-up without a word; and the first GRPO setting passed was the baseline, DAPO's skip variant too."""
+    curve = [(0, 0.2), (120, 0.4), (240, 0.6)]
+    grpo = fake_run(tmp_path, "grpo", "none", 8, 8, curve)
+    skip = fake_run(tmp_path, "skip", "none", 8, 8, curve)
+    config = json.loads((skip / "config.json").read_text())
+    (skip / "config.json").write_text(json.dumps(config | {"uniform_groups": "skip"}))
+    pods = fake_run(tmp_path, "pods", "max_variance", 16, 8, curve, lr=1e-3)
+    argv = ["--out", str(tmp_path / "f.png")]
+    assert evaluation.main(["--plot", str(skip), str(grpo), str(pods), *argv]) == 0
+    out = capsys.readouterr().out.splitlines()
+    assert out[1] == "the settings differ beyond their labels: lr 0.001 in PODS max_variance n=16 m=8 against 0.0003 in GRPO n=8 skip"
+    assert out[3].startswith("baseline GRPO n=8: peak 0.600")
+    other_n = fake_run(tmp_path, "grpo16", "none", 16, 16, curve)
+    assert evaluation.main(["--plot", str(grpo), str(other_n), str(pods), *argv]) == 2
+    assert capsys.readouterr().err == ("error: several GRPO settings (GRPO n=8, GRPO n=16); pass --baseline to name the one to "
+                                       "compare with\n")
+    assert evaluation.main(["--plot", str(grpo), str(other_n), str(pods), *argv, "--baseline", "GRPO n=16"]) == 0
+    config = json.loads((pods / "config.json").read_text())
+    (pods / "config.json").write_text(json.dumps(config | {"model_resolved": "Qwen/Qwen2.5-3B-Instruct"}))
+    assert evaluation.main(["--plot", str(grpo), str(pods), *argv]) == 2
+    assert capsys.readouterr().err.endswith(f"error: {pods} (PODS max_variance n=16 m=8) and {grpo} (GRPO n=8) trained with "
+                                            f"model_resolved \"Qwen/Qwen2.5-3B-Instruct\" against \"embedded\"; a speed-up "
+                                            f"compares settings on one model and task\n")
+
+
 def test_plot_takes_seeds_of_another_precision_but_refuses_a_seed_split_between_two(tmp_path, capsys):
     """A series of seeds trained and evaluated in float32 (a CPU without bfloat16 arithmetic) compares with the
     bfloat16 seeds (the reproduction's report names each seed's precision: reproduce/test_report.py); a seed

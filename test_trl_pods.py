@@ -278,6 +278,14 @@ def one_process_trainer(n: int, m: int) -> SimpleNamespace:
                            accelerator=SimpleNamespace(gather=lambda t: t), _metrics={"train": defaultdict(list)})
 
 
+def test_a_rollout_without_any_reward_stops_every_process_not_only_its_own(trl_pods):
+    """Only the process holding the rollout raised; under torchrun the others waited in the next gather."""
+    rewards = torch.tensor([[1.0, float("nan")], [float("nan"), float("nan")], [0.5, 1.0], [0.0, float("nan")]])  # 2 processes x 2 rows
+    with pytest.raises(ValueError, match="every reward function returned None for a rollout"):
+        trl_pods.local_rewards(rewards, torch.ones(2), start=2, rows=2)  # process 1's rows are fine; process 0's are not
+    assert trl_pods.local_rewards(rewards[2:], torch.tensor([1.0, 2.0]), start=0, rows=2).tolist() == [2.5, 0.0]  # nansum, weighted
+
+
 def test_pods_reward_std_is_the_std_of_all_kept_rewards_as_trls_reward_std_is_of_all_rewards(trl_pods):
     trainer = one_process_trainer(n=4, m=2)
     r = torch.tensor([0.0, 1.0, 0.5, 1.0, 2.0, 2.0, 2.0, 2.0])  # max_variance keeps [0, 1] and [2, 2]

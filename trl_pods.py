@@ -126,6 +126,17 @@ def check_config(args: GRPOConfig, m: int, rule: str) -> None:
                          f"sum of the rewards; set multi_objective_aggregation='sum_then_normalize'")
 
 
+def local_rewards(rewards_per_func: torch.Tensor, reward_weights: torch.Tensor, start: int, rows: int) -> torch.Tensor:
+    """This process's `rows` rewards from `start` among every process's [rows, reward functions], summed with the
+    weights as TRL sums them. A rollout for which every reward function returned None stops every process alike
+    (checked over all rows: one process alone raising left the others waiting in the next gather)."""
+    if torch.isnan(rewards_per_func).all(dim=1).any():
+        raise ValueError("every reward function returned None for a rollout, but PODS ranks all n rollouts by reward: "
+                         "make at least one reward function return a number for every completion")
+    mine = rewards_per_func[start : start + rows]
+    return (mine * reward_weights.to(mine.device)).nansum(dim=1)
+
+
 class PODSGRPOTrainer(GRPOTrainer):
     """GRPOTrainer that trains on m of each prompt's n = num_generations rollouts (see the module docstring).
 
@@ -161,12 +172,7 @@ class PODSGRPOTrainer(GRPOTrainer):
         if not self.model.training:
             return batch
         start = self.accelerator.process_index * len(inputs)  # this process's rows among the gathered rewards
-        rewards_per_func = self.rewards_per_func[start : start + len(inputs)]
-        if torch.isnan(rewards_per_func).all(dim=1).any():
-            raise ValueError("every reward function returned None for a rollout, but PODS ranks all n rollouts by reward: "
-                             "make at least one reward function return a number for every completion")
-        rewards = (rewards_per_func * self.reward_weights.to(rewards_per_func.device)).nansum(dim=1)  # as TRL sums them
-        return self.downsample_batch(batch, rewards)
+        return self.downsample_batch(batch, local_rewards(self.rewards_per_func, self.reward_weights, start, len(inputs)))
 
     def downsample_batch(self, batch: dict, rewards: torch.Tensor) -> dict:
         """Keep m rows of each group of n in TRL's generation batch, with advantages from the kept rewards.
