@@ -288,7 +288,7 @@ def write_config(out_dir: Path, settings: dict, resumed_step: int | None = None)
 
 
 def check_nothing_else_is_replaced(out_dir: Path, resuming: bool) -> None:
-    """Refuses in one line, before anything loads, what a run would overwrite in out_dir that is not its own: a
+    """Refuses in one line (`continues`, before anything loads or is deleted), what a run would overwrite in out_dir that is not its own: a
     config.json that train.py did not write (a model directory's), or, for a run that starts, a checkpoint-STEP
     directory (another trainer's, or a run copied in part), which the save at that step would delete. (A resumed run
     replaces an incomplete checkpoint after the one it continues from: its own, damaged; `find` warns of it.)"""
@@ -353,6 +353,8 @@ def continues(resume: str, out_dir: Path, found: list[Path]) -> bool:
     the same flags must start the run the first time and continue it after a fault. A directory with
     metrics but no checkpoint (a run that died before its first save) is started afresh under auto."""
     has_metrics = (out_dir / "metrics.jsonl").exists()
+    if out_dir.is_dir():  # a run continues exactly when it found checkpoints (else it starts, or is refused below)
+        check_nothing_else_is_replaced(out_dir, resuming=bool(found))
     if not found and resume != "no" and (unexpanded := unexpanded_run(out_dir)):
         raise config.UsageError(f"--resume: no checkpoint in {out_dir}, but ./{unexpanded} holds a run: before 29 Nov 2026 "
                                 f"--out-dir=~/... wrote there; pass --out-dir ./{unexpanded} to continue it")

@@ -37,7 +37,6 @@ import math
 import os
 import signal
 import sys
-import threading
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -51,6 +50,7 @@ import data
 import decode
 import model as models
 import plot
+import progress
 import rewards
 import sampling
 import vllm_sampler
@@ -463,8 +463,7 @@ def main(argv: list[str] | None = None) -> int:
                         help="--plot: speed-up target, a share of the baseline's peak accuracy; 1 = the peak itself [0.99, the authors']")
     parser.add_argument("--force", action="store_true", help="re-evaluate checkpoints already in the results file [off]")
     args = parser.parse_args(argv)
-    main_thread = threading.current_thread() is threading.main_thread()  # (Python sets signal handlers there only)
-    on_sigterm = signal.signal(signal.SIGTERM, signal.default_int_handler) if main_thread else None  # SIGTERM: as a Ctrl-C
+    on_sigterm = progress.set_handlers({signal.SIGTERM: signal.default_int_handler})  # a scheduler's SIGTERM: as a Ctrl-C
     try:
         if sum(map(bool, (args.path, args.plot, args.plot_train))) > 1:
             raise EvalError("give one of PATH (evaluate it), --plot RUN_DIR ... or --plot-train RUN_DIR ..., not several")
@@ -512,8 +511,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"interrupted: {str(err) or 'no checkpoint was evaluated this time'}", file=sys.stderr)
         return 130
     finally:
-        if main_thread:
-            signal.signal(signal.SIGTERM, signal.SIG_DFL if on_sigterm is None else on_sigterm)  # None: set outside Python
+        progress.restore_handlers(on_sigterm)
     return 0
 
 

@@ -9,6 +9,7 @@ import json
 import logging
 import signal
 import sys
+import threading
 import time
 from pathlib import Path
 
@@ -141,7 +142,28 @@ def interrupted_line(out_dir: Path) -> str:
     return f"interrupted: the last checkpoint is {saved[-1]} (--resume continues from it); metrics are in {out_dir / 'metrics.jsonl'}"
 
 
+def out_of_memory_line(out_dir: Path) -> str:
+    """The last line of a run out of memory: what to lower, and how to continue (from its last checkpoint, if any)."""
+    saved = checkpoint.find(out_dir) if out_dir.is_dir() else []
+    again = f"--resume from the last checkpoint in {out_dir}" if saved else f"run the same command with --resume auto (no checkpoint was saved in {out_dir})"
+    return (f"error: out of memory; lower --micro-batch (or --n, --prompts-per-step, --max-new-tokens) or pass "
+            f"--gradient-checkpointing, then {again}")
+
+
 STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM)
+
+
+def set_handlers(handlers: dict) -> dict:
+    """Install signal handlers and return the previous ones, for restore_handlers; none off the main thread
+    (a notebook's worker thread), where Python sets no handlers."""
+    if threading.current_thread() is not threading.main_thread():
+        return {}
+    return {sig: signal.signal(sig, handler) for sig, handler in handlers.items()}
+
+
+def restore_handlers(previous: dict) -> None:
+    for sig, handler in previous.items():  # None: a handler set outside Python, which cannot be put back
+        signal.signal(sig, signal.SIG_DFL if handler is None else handler)
 
 
 def ctrl_c_handler(stop: dict):

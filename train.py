@@ -30,9 +30,7 @@ import dataclasses
 import logging
 import math
 import os
-import signal
 import sys
-import threading
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -124,8 +122,7 @@ def train_loop(args, model, tokenizer, optimizer, scheduler, sampler, stream, st
     loop on its share of the prompts; `distributed.any_rank` and `reduce_row` keep the ranks agreeing on when to
     stop and on what to report, and only rank 0 writes."""
     stop = {"requested": False}
-    previous_handlers = {sig: signal.signal(sig, progress.ctrl_c_handler(stop)) for sig in progress.STOP_SIGNALS
-                         if threading.current_thread() is threading.main_thread()}  # (Python sets handlers there only)
+    previous_handlers = progress.set_handlers({sig: progress.ctrl_c_handler(stop) for sig in progress.STOP_SIGNALS})
     last_save_s = state["elapsed_s"]
     last_saved_step = state["step"] if resumed else -1  # a fresh run stopped before its first step still saves checkpoint-0
     bar = progress.progress_bar(args, state, world)
@@ -181,8 +178,7 @@ def train_loop(args, model, tokenizer, optimizer, scheduler, sampler, stream, st
                                 f"the last good weights are in {out_dir} (checkpoint-{state['step']}): lower --lr or "
                                 f"--max-grad-norm, or pass --no-bf16-autocast, then --resume")
     finally:
-        for sig, handler in previous_handlers.items():  # only now: a Ctrl-C during the last save is still a first one
-            signal.signal(sig, signal.SIG_DFL if handler is None else handler)  # None: set outside Python, not restorable
+        progress.restore_handlers(previous_handlers)  # only now: a Ctrl-C during the last save is still a first one
         bar.close()
     if stop["requested"] and state["step"] < args.steps and not progress.budget_spent(args, state):  # Ctrl-C in the last step: done
         raise KeyboardInterrupt
@@ -293,8 +289,6 @@ def train(args: Args, world: distributed.World = distributed.World()) -> Path:
     out_dir = Path(args.out_dir)
     found = checkpoint.find(out_dir) if out_dir.exists() else []
     resuming = checkpoint.continues(args.resume, out_dir, found)
-    if out_dir.is_dir():
-        checkpoint.check_nothing_else_is_replaced(out_dir, resuming)
     if resuming:
         checkpoint.check_resume_config(out_dir, args, world.size, found[-1])
     config.check_torchrun(device, world)
@@ -391,11 +385,7 @@ def main(argv: list[str] | None = None) -> int:
         progress.say_at_exit(f"error: {err}", world)
         return 1
     except torch.OutOfMemoryError:
-        saved = checkpoint.find(Path(args.out_dir)) if Path(args.out_dir).is_dir() else []
-        again = (f"--resume from the last checkpoint in {args.out_dir}" if saved else
-                 f"run the same command with --resume auto (no checkpoint was saved in {args.out_dir})")
-        progress.say_at_exit(f"error: out of memory; lower --micro-batch (or --n, --prompts-per-step, --max-new-tokens) or pass "
-                             f"--gradient-checkpointing, then {again}", world)
+        progress.say_at_exit(progress.out_of_memory_line(Path(args.out_dir)), world)
         return 1
     except KeyboardInterrupt:
         progress.say_at_exit(progress.interrupted_line(Path(args.out_dir)) if world.is_main else "", world)
