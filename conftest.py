@@ -20,8 +20,8 @@ from pathlib import Path
 import pytest
 import torch
 
-import eval as evaluation  # eval.py; `eval` is a builtin name
 import model as models
+import results
 import rewards
 from testkit import length_reward, tiny_llama
 
@@ -89,5 +89,5 @@ def length_rewards(monkeypatch):
 def base_results_cache(tmp_path_factory):
     """Base-model eval results go to a temporary cache, not ~/.cache/pods."""
     with pytest.MonkeyPatch.context() as mp:
-        mp.setattr(evaluation, "BASE_CACHE", tmp_path_factory.mktemp("base_cache"))
+        mp.setattr(results, "BASE_CACHE", tmp_path_factory.mktemp("base_cache"))
         yield

@@ -20,7 +20,7 @@ uses the first 200 of its test stream and 32 new tokens. Prompts are the trainin
 (sampling.build_prompt), so train and test accuracy mean the same thing.
 
 For a run directory, the base model (step 0, time 0) is evaluated too, and results go to
-RUN/eval-DATASET.json (and .csv); for one checkpoint, into its directory. Checkpoints already
+RUN/eval-DATASET.json (and .csv; results.py); for one checkpoint, into its directory. Checkpoints already
 there (same model, step and training time) are skipped unless --force; the base model's result
 is cached in ~/.cache/pods/eval. With vLLM (the default on a GPU) only the tokenizer is loaded
 here: vLLM loads the weights and each checkpoint's adapter, within --gpu-memory-utilization.
@@ -28,9 +28,6 @@ here: vLLM loads the weights and each checkpoint's adapter, within --gpu-memory-
 from __future__ import annotations
 
 import contextlib
-import csv
-import hashlib
-import io
 import json
 import logging
 import math
@@ -47,17 +44,16 @@ from tqdm import tqdm
 import checkpoint
 import config
 import data
-import decode
 import model as models
 import plot
 import progress
+import results
 import rewards
 import sampling
 import vllm_sampler
 
 log = logging.getLogger("pods")
 BASE = "base"  # the name under which a run's untrained starting point is recorded
-BASE_CACHE = models.CACHE_DIR / "eval"  # base-model results, shared by every run of the same model
 ARITH_LIMIT = 200  # arith's default --limit: 200 of its 500 test questions keep a CPU evaluation short
 VLLM_MAX_NUM_SEQS = 256  # sequences vLLM decodes at once (its own default)
 
@@ -160,49 +156,16 @@ def evaluate_target(sampler, target: Target, prompts: list[list[int]], examples:
         accuracies.append(float(np.mean(correct)))
         format_rates.append(float(np.mean(formatted)))
     return {"checkpoint": target.name, "step": target.step, "elapsed_s": target.elapsed_s,
-            "accuracy": float(np.mean(accuracies)), "accuracy_se": standard_error(accuracies), "accuracies": accuracies,
+            "accuracy": float(np.mean(accuracies)), "accuracy_se": results.standard_error(accuracies), "accuracies": accuracies,
             "format_rate": float(np.mean(format_rates))}
 
 
-def standard_error(accuracies: list[float]) -> float | None:
-    """The standard error of the mean over repeats; None for one repeat, which has no spread to measure
-    (0 would claim an exact accuracy)."""
-    return float(np.std(accuracies, ddof=1) / math.sqrt(len(accuracies))) if len(accuracies) > 1 else None
 
 
-def results_name(dataset: str) -> str:
-    """eval-arith.json, eval-arith-1.json (for arith:1), eval-test.json (for path/test.jsonl)."""
-    return f"eval-{Path(dataset).stem.replace(':', '-')}.json"
 
 
-def load_results(out: Path, settings: Settings, force: bool) -> list[dict]:
-    """The results already in `out`. A file that is not eval.py's results is refused, --force or not: --out
-    pointed at a run's metrics.jsonl or config.json would otherwise replace it."""
-    if out.is_dir():
-        raise EvalError(f"--out {out} is a directory; name the results file, e.g. {out / results_name(settings.dataset)}")
-    if not out.exists():
-        return []
-    stored = plot.read_results(out, "choose another --out, or delete it if it is a damaged one")
-    if force:
-        return []
-    if stored["settings"] != settings.key():
-        differing = {k: v for k, v in stored["settings"].items() if settings.key().get(k) != v}
-        raise EvalError(f"{out} holds results made with other settings {differing}; pass --force to redo them or choose --out")
-    return stored["results"]
 
 
-def write_results(out: Path, settings: Settings, results: list[dict]) -> None:
-    out.parent.mkdir(parents=True, exist_ok=True)
-    # (rows stored or cached before one repeat had no standard error said 0.0: every row's is recomputed)
-    results = sorted(({**r, "accuracy_se": standard_error(r["accuracies"])} if "accuracies" in r else r for r in results),
-                     key=lambda r: r["step"])
-    checkpoint.write_atomic(out, json.dumps({"settings": settings.key(), "results": results}, indent=2))
-    table = io.StringIO()
-    writer = csv.writer(table)
-    writer.writerow(["checkpoint", "step", "elapsed_s", "accuracy", "accuracy_se", "format_rate"])
-    for r in results:
-        writer.writerow([r["checkpoint"], r["step"], r["elapsed_s"], r["accuracy"], r["accuracy_se"], r["format_rate"]])
-    checkpoint.write_atomic(out.with_suffix(".csv"), table.getvalue())
 
 
 def is_result_of(result: dict, target: Target, base: str) -> bool:
@@ -212,18 +175,6 @@ def is_result_of(result: dict, target: Target, base: str) -> bool:
             and math.isclose(result["elapsed_s"], target.elapsed_s, abs_tol=1e-6))
 
 
-def generation_code() -> dict:
-    """What, besides the settings, decides the text sampled with a seed: the source of sampling.py, decode.py and
-    vllm_sampler.py and the versions of the libraries that generate (a new sampler draws another random stream)."""
-    from importlib import metadata
-
-    versions = {}
-    for package in ("torch", "transformers", "vllm"):
-        with contextlib.suppress(metadata.PackageNotFoundError):
-            versions[package] = metadata.version(package)
-    sources = {Path(module.__file__).name: hashlib.sha256(Path(module.__file__).read_bytes()).hexdigest()[:16]
-               for module in (sampling, decode, vllm_sampler)}
-    return {**sources, **versions}
 
 
 def generation_precision(backend: str) -> str:
@@ -232,28 +183,20 @@ def generation_precision(backend: str) -> str:
     return "bfloat16" if vllm_sampler.uses_vllm(backend, device) or models.computes_bfloat16(device) else "float32"
 
 
-def base_cache_file(base: str, settings: Settings) -> Path:
-    """Where the base model's result for these settings is kept: every run of one model starts
-    from the same weights, so its step-0 point is evaluated once, not once per run, and again after
-    the generation code changes (so that a run's base point comes from the code its checkpoints do)."""
-    dataset = Path(settings.dataset)  # a file: its contents too (another folder's test.jsonl, an edited one)
-    contents = {"dataset_sha256": hashlib.sha256(dataset.read_bytes()).hexdigest()} if dataset.is_file() else {}
-    key = json.dumps({"model": base, **settings.key(), **contents, **generation_code()}, sort_keys=True)
-    return BASE_CACHE / f"{hashlib.sha256(key.encode()).hexdigest()[:16]}.json"
 
 
 def evaluate(path: str, settings: Settings, out: str | None, force: bool, backend: str,
              options: VLLMOptions = VLLMOptions()) -> Path:
     base, targets, run_dir = find_targets(path)
     if out is None:  # beside the run, or in the checkpoint, or here for a base model
-        out = str((run_dir or targets[0].adapter or Path(".")) / results_name(settings.dataset))
+        out = str((run_dir or targets[0].adapter or Path(".")) / results.results_name(settings.dataset))
     out_path = Path(out)
-    stored = load_results(out_path, settings, force)
+    stored = results.load_results(out_path, settings.key(), force)
     todo = [t for t in targets if not any(is_result_of(r, t, base) for r in stored)]
     if todo:  # results will be written: a path under a file stops here, not after the evaluation
         plot.make_parent(out_path)
     done = [r for r in stored if not any(r["checkpoint"] == t.name for t in todo)]  # drops stale results of retrained checkpoints
-    cache = base_cache_file(base, settings)
+    cache = results.base_cache_file(base, settings.key())
     reuse_base = not force and cache.exists() and any(t.adapter is None for t in todo)
     generates = any(t.adapter is not None or not reuse_base for t in todo)  # (a base model's cached result needs no data)
     examples = data.load_examples(settings.dataset, "test")[: settings.limit] if generates else []  # a missing dataset stops here
@@ -261,7 +204,7 @@ def evaluate(path: str, settings: Settings, out: str | None, force: bool, backen
     if reuse_base:
         done.append(plot.read_json(cache, "delete it, or pass --force to evaluate the base model again"))
         todo = [t for t in todo if t.adapter is not None]
-        write_results(out_path, settings, done)
+        results.write_results(out_path, settings.key(), done)
         log.info("base model: result reused from %s (--force re-evaluates it)", cache)
     if not todo:
         return out_path
@@ -309,7 +252,7 @@ def evaluate_targets(todo: list[Target], model, sampler, adapters: list[Path], p
             result = evaluate_target(sampler, target, prompts, examples, settings, request_seeds)
         result["model"] = base  # what is_result_of matches on
         done.append(result)
-        write_results(out_path, settings, done)  # after every checkpoint: an interrupted eval keeps its work
+        results.write_results(out_path, settings.key(), done)  # after every checkpoint: an interrupted eval keeps its work
         if target.adapter is None:
             cache.parent.mkdir(parents=True, exist_ok=True)
             checkpoint.write_atomic(cache, json.dumps(result))
@@ -479,7 +422,7 @@ def main(argv: list[str] | None = None) -> int:
                 raise EvalError(f"--target-frac {args.target_frac} must be in (0, 1]: a share of the baseline's peak accuracy")
             out = Path(args.out or "accuracy_vs_time.png")
             plot.check_figure_path(out)
-            results_file = results_name(args.dataset) if args.dataset else None
+            results_file = results.results_name(args.dataset) if args.dataset else None
             print(plot.plot([Path(p) for p in args.plot], out, results_file, args.baseline, args.target_frac))
             print(f"figure: {out}")
             return 0
@@ -504,7 +447,7 @@ def main(argv: list[str] | None = None) -> int:
         options = VLLMOptions(args.gpu_memory_utilization, args.vllm_kv_cache_gb, args.enforce_eager)
         out = evaluate(args.path, settings, args.out, args.force, args.backend, options)
         print(f"results: {out}")
-    except (EvalError, plot.PlotError, data.DataError, models.SetupError, checkpoint.CheckpointError) as err:
+    except (EvalError, results.ResultsError, plot.PlotError, data.DataError, models.SetupError, checkpoint.CheckpointError) as err:
         print(f"error: {err}", file=sys.stderr)
         return 2
     except KeyboardInterrupt as err:

@@ -1,4 +1,4 @@
-"""eval.py: evaluating checkpoints; and plot.py, which its --plot and --plot-train run: the authors'
+"""eval.py: evaluating checkpoints, and results.py, the results file it keeps; and plot.py, which its --plot and --plot-train run: the authors'
 speed-up rule and the figures. (The CPU reproduction's statistics and scripts: reproduce/test_*.py.)"""
 
 from __future__ import annotations
@@ -20,6 +20,7 @@ import decode
 import eval as evaluation  # eval.py; `eval` is a builtin name
 import model as models
 import plot
+import results
 import rewards
 import sampling
 import train
@@ -39,9 +40,9 @@ def tiny_run(tiny_model_dir, tmp_path_factory) -> Path:
 def test_eval_writes_accuracy_with_standard_error_and_skips_done_checkpoints(tiny_run, caplog):
     argv = [str(tiny_run), "--dataset", "arith", "--limit", "3", "--repeats", "2", "--samples", "2", "--max-new-tokens", "4"]
     assert evaluation.main(argv) == 0
-    results = json.loads((tiny_run / "eval-arith.json").read_text())
-    assert results["settings"]["repeats"] == 2 and results["settings"]["dataset"] == "arith"
-    rows = results["results"]
+    stored = json.loads((tiny_run / "eval-arith.json").read_text())
+    assert stored["settings"]["repeats"] == 2 and stored["settings"]["dataset"] == "arith"
+    rows = stored["results"]
     assert [r["checkpoint"] for r in rows] == ["base", "checkpoint-1", "checkpoint-2"]
     assert [r["step"] for r in rows] == [0, 1, 2] and rows[0]["elapsed_s"] == 0.0 and rows[2]["elapsed_s"] > rows[1]["elapsed_s"] > 0
     for r in rows:
@@ -111,12 +112,12 @@ def test_eval_does_not_reuse_a_base_result_sampled_by_other_generation_code(tmp_
     settings = evaluation.Settings("arith", 4, samples=1, repeats=1, temperature=0.9, max_new_tokens=8)
     same = tmp_path / f"{source}.py"
     same.write_bytes(Path(module.__file__).read_bytes())
-    before = evaluation.base_cache_file("model", settings)
+    before = results.base_cache_file("model", settings.key())
     monkeypatch.setattr(module, "__file__", str(same))
-    assert evaluation.base_cache_file("model", settings) == before  # the same code: the cached result is reused
+    assert results.base_cache_file("model", settings.key()) == before  # the same code: the cached result is reused
     same.write_bytes(same.read_bytes() + b"\n# a changed sampler\n")
-    assert evaluation.base_cache_file("model", settings) != before  # a new sampler's random stream: evaluated again
-    assert {"sampling.py", "decode.py", "vllm_sampler.py", "torch", "transformers"} <= evaluation.generation_code().keys()
+    assert results.base_cache_file("model", settings.key()) != before  # a new sampler's random stream: evaluated again
+    assert {"sampling.py", "decode.py", "vllm_sampler.py", "torch", "transformers"} <= results.generation_code().keys()
 
 
 def test_eval_does_not_reuse_a_base_result_for_another_file_of_the_same_name(tmp_path, monkeypatch):
@@ -125,10 +126,10 @@ def test_eval_does_not_reuse_a_base_result_for_another_file_of_the_same_name(tmp
     monkeypatch.chdir(tmp_path)
     (tmp_path / "test.jsonl").write_text(json.dumps({"question": "What is 1 + 1?", "answer": 2}) + "\n")
     settings = evaluation.Settings("test.jsonl", None, samples=1, repeats=1, temperature=0.9, max_new_tokens=8)
-    first = evaluation.base_cache_file("model", settings)
-    assert evaluation.base_cache_file("model", settings) == first  # the same file: reused
+    first = results.base_cache_file("model", settings.key())
+    assert results.base_cache_file("model", settings.key()) == first  # the same file: reused
     (tmp_path / "test.jsonl").write_text(json.dumps({"question": "What is 1 + 1?", "answer": 9999999}) + "\n")
-    assert evaluation.base_cache_file("model", settings) != first
+    assert results.base_cache_file("model", settings.key()) != first
 
 
 def test_eval_defaults_to_the_runs_generation_settings_and_redoes_retrained_checkpoints(tiny_run, tmp_path, caplog):

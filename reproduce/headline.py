@@ -31,9 +31,9 @@ from pathlib import Path
 
 import numpy as np
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # the project's eval.py and plot.py, wherever this runs from
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # the project's results.py and plot.py, wherever this runs from
 
-import eval as evaluation  # eval.py; `eval` is a builtin name
+from results import results_name
 from plot import PlotError, Comparison, compare
 from reference_clock import PRICINGS, ReferenceClock
 from report import interval_text, ratio_text
@@ -145,7 +145,7 @@ def main(argv: list[str] | None = None) -> int:
         given = [(name, [Path(home(p)) for p in runs]) for name, *runs in args.comparison if runs]  # (NAME shares the flag)
         if not given:
             raise PlotError(f"no runs to read for {', '.join(waiting)}: pass each --comparison its evaluated runs")
-        results_file = evaluation.results_name(args.dataset) if args.dataset else None
+        results_file = results_name(args.dataset) if args.dataset else None
         reference = [Path(p) for p in args.reference_runs]
         clock = ReferenceClock(reference)
         panels = [(name, compare(runs, results_file, None, clock)) for name, runs in given]

@@ -22,9 +22,9 @@ from pathlib import Path
 
 import numpy as np
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # the project's eval.py and plot.py, wherever this runs from
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # the project's results.py and plot.py, wherever this runs from
 
-import eval as evaluation  # eval.py; `eval` is a builtin name
+from results import results_name
 from plot import (
     TARGET_FRAC, PlotError, across_seeds, compare, draw, mean_curve, read_metrics, speedup_table, trailing_mean)
 from reference_clock import ReferenceClock
@@ -271,7 +271,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         if not 0 < args.target_frac <= 1:
             raise PlotError(f"--target-frac {args.target_frac} must be in (0, 1]: a share of the baseline's peak accuracy")
-        results_file = evaluation.results_name(args.dataset) if args.dataset else None
+        results_file = results_name(args.dataset) if args.dataset else None
         print(report([Path(p) for p in args.runs], Path(args.out), results_file, args.baseline, args.target_frac,
                      [Path(p) for p in args.reference_runs] if args.reference_runs else None))
         print(f"figure: {args.out}")
