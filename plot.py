@@ -149,7 +149,7 @@ def group_curves(run_dirs: list[Path], results_file: str | None, clock=None
     each group's seeds in that order (so the i-th runs of two groups with the same seeds are a pair),
     and each seed's precision (run_precision). Runs of one label must differ only in their seed and
     precision, every run must have been evaluated with the same settings but precision, and a seed's
-    runs in one precision. `results_file` names the file each run's evaluation is read from (eval.results_name
+    runs in one precision. `results_file` names the file each run's evaluation is read from (results.results_name
     of a dataset; None: the run's only eval-*.json). Times are each run's own training seconds, or those
     of `clock.at_steps` (the reproduction's reference clock, reproduce/reference_clock.py). Last, how the settings
     differ beyond their labels (setting_differences)."""
