@@ -477,17 +477,24 @@ sys.exit(train.main())
 """
 
 
-def test_a_rank_killed_mid_step_under_torchrun_max_restarts_resumes_and_ends_as_an_uninterrupted_run(tiny_model_dir, tmp_path):
+@pytest.mark.parametrize("elastic", ["standalone", "nnodes 1:2"])
+def test_a_rank_killed_mid_step_under_torchrun_max_restarts_resumes_and_ends_as_an_uninterrupted_run(tiny_model_dir, tmp_path, elastic):
     """torchrun --max-restarts 1 with --resume auto: rank 1 is SIGKILLed in step 3's update, after
     checkpoint-2; torchrun restarts both ranks with the same command, which continues from
-    checkpoint-2. The fault costs the steps since the last checkpoint (here 1, with --save-every-steps 1)."""
+    checkpoint-2. The fault costs the steps since the last checkpoint (here 1, with --save-every-steps 1).
+    Also under --nnodes 1:2 (an elastic job that may grow to two nodes) with one node, through a c10d rendezvous:
+    one agent, so distributed.start's store prefix names the attempt, as under --standalone."""
     from safetensors.torch import load_file
 
     driver = tmp_path / "elastic.py"
     driver.write_text(ELASTIC_DRIVER)
     out, straight = tmp_path / "run", tmp_path / "straight"
     argv = tiny_args(tiny_model_dir, out, "--steps", "4", "--prompts-per-step", "4", "--save-every-steps", "1", "--resume", "auto")
-    done = torchrun(2, *argv, script=str(driver), launcher_flags=("--max-restarts", "1"), env=os.environ | {"FAULT_DIR": str(tmp_path)})
+    rendezvous = {"standalone": ("--standalone",),
+                  "nnodes 1:2": ("--nnodes", "1:2", "--rdzv-backend", "c10d", "--rdzv-endpoint", f"localhost:{free_port()}",
+                                 "--rdzv-conf", "last_call_timeout=1")}[elastic]  # (1 s for a second node to join, not 30)
+    done = torchrun(2, *argv, script=str(driver), launcher_flags=("--max-restarts", "1"), env=os.environ | {"FAULT_DIR": str(tmp_path)},
+                    rendezvous=rendezvous)
     assert done.returncode == 0, done.stderr[-3000:]
     assert "resumed from" in done.stderr and "checkpoint-2" in done.stderr
     rows = read_metrics(out)

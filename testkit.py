@@ -93,10 +93,10 @@ atexit.register(shutil.rmtree, TORCHRUN_LOGS, True)
 
 
 def torchrun(nproc: int, *train_argv: str, script: str = "train.py", wait: bool = True, launcher_flags: tuple[str, ...] = (),
-             env: dict | None = None):
+             env: dict | None = None, rendezvous: tuple[str, ...] = ("--standalone",)):
     """The command form of docs/multi-gpu.md: torchrun --standalone --nproc_per_node N train.py -- ARGS (its empty
-    log directories kept in one place that is removed when the tests end)."""
-    command = [str(Path(sys.executable).with_name("torchrun")), "--standalone", "--nproc_per_node", str(nproc), *launcher_flags,
+    log directories kept in one place that is removed when the tests end); `rendezvous` replaces --standalone."""
+    command = [str(Path(sys.executable).with_name("torchrun")), *rendezvous, "--nproc_per_node", str(nproc), *launcher_flags,
                "--log-dir", TORCHRUN_LOGS, script, "--", *train_argv]
     if not wait:
         return subprocess.Popen(command, cwd=Path(__file__).parent, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
