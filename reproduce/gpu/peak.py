@@ -21,6 +21,7 @@ class PhasePeaks:
     def __init__(self, cuda: bool = True):
         self.update, self.rest = [0, 0], [0, 0]  # [allocated, reserved] bytes
         self.cuda = cuda  # False: a dry run on a CPU (check.sh tried without a GPU), every figure 0
+        self.updated = False  # whether wrap's update ran: else the whole run's peak alone (trl_gpu.py's TRL run)
 
     def close(self, phase: list) -> None:
         """The phase that ends now: its peak so far, then torch.cuda's peak reset for the next."""
@@ -32,6 +33,7 @@ class PhasePeaks:
     def wrap(self, update):
         def measured_update(*args, **kwargs):
             self.close(self.rest)
+            self.updated = True
             try:
                 return update(*args, **kwargs)
             finally:
@@ -39,11 +41,11 @@ class PhasePeaks:
         return measured_update
 
     def line(self) -> str:
-        """What summary.py reads from each stage's log."""
+        """What summary.py reads from each stage's log: the whole run's peak, and where an update was measured, its split."""
         self.close(self.rest)
         whole = [max(a, b) / GiB for a, b in zip(self.update, self.rest)]
-        return (f"CUDA peak allocated {whole[0]:.2f} GiB, reserved {whole[1]:.2f} GiB; "
-                f"in the update {self.update[0] / GiB:.2f} GiB allocated, outside it {self.rest[0] / GiB:.2f}")
+        split = f"; in the update {self.update[0] / GiB:.2f} GiB allocated, outside it {self.rest[0] / GiB:.2f}" if self.updated else ""
+        return f"CUDA peak allocated {whole[0]:.2f} GiB, reserved {whole[1]:.2f} GiB{split}"
 
 
 if __name__ == "__main__":

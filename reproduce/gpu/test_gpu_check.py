@@ -1,5 +1,5 @@
 """reproduce/gpu/: the GPU check's parts that run without a GPU: the summary from constructed logs (summary.py),
-decode_bench.py's loading of an older tree, peak.py's split of the peak at the update, check.sh's refusal of an unknown stage and its install of a wheel set (TRL's checkpointing keyword: test_trl_pods.py). The check itself needs a CUDA GPU: bash reproduce/gpu/check.sh (README.md beside this file)."""
+decode_bench.py's loading of an older tree, peak.py's split of the peak at the update, check.sh's refusal of an unknown stage and its install of a wheel set (TRL's checkpointing keyword: test_trl_pods.py), and a dry run of the pods and trl stages' scripts on a CPU. The check itself needs a CUDA GPU: bash reproduce/gpu/check.sh (README.md beside this file)."""
 
 from __future__ import annotations
 
@@ -201,3 +201,28 @@ def test_decode_bench_times_each_graph_capture_and_puts_the_sampler_back(monkeyp
         assert sampling.CudaGraphDecode("model", "cache") == "step"
     assert built == [("model", "cache")] and len(record) == 1 and record[0] >= 0
     assert sampling.CudaGraphDecode is stand_in
+
+
+@pytest.mark.trl
+def test_the_timed_stages_run_on_a_cpu_as_check_sh_calls_them_and_summary_reads_their_logs(tmp_path, tiny_model_dir):
+    """check.sh's pods and trl stages, each script called as check.sh calls it, on the tiny model for 3 steps: a dry
+    run of the check's wiring before GPU minutes are spent on it. trl_gpu.py once imported a function peak.py no longer
+    had, so the TRL stage of the next GPU check would have ended in an ImportError."""
+    pytest.importorskip("trl", reason="TRL is optional: pip install -r requirements-trl.txt")
+    root, logs = HERE.parent.parent, tmp_path / "logs"
+    logs.mkdir()
+    common = ["--model", str(tiny_model_dir), "--dataset", "arith", "--n", "4", "--max-new-tokens", "4", "--steps", "3"]
+    stages = {"pods": ["peak.py", *common, "--out-dir", str(tmp_path / "pods"), "--backend", "hf", "--m", "2"],
+              "trl": ["trl_gpu.py", *common, "--out-dir", str(tmp_path / "trl")]}
+    for stage, (script, *flags) in stages.items():
+        done = subprocess.run([sys.executable, str(HERE / script), *flags], cwd=root, capture_output=True, text=True, timeout=300)
+        assert done.returncode == 0, done.stderr[-3000:]
+        (logs / f"{stage}.log").write_text(done.stdout + done.stderr)
+        (logs / f"{stage}.jsonl").write_bytes((tmp_path / stage / "metrics.jsonl").read_bytes())
+    (logs / "status.txt").write_text("pods\t0\t20\ntrl\t0\t20\n")
+    (logs / "env.txt").write_text("".join(f"{key}: {value}\n" for key, value in ENV.items()))
+    lines = summary.summary(logs).splitlines()
+    rows = {line.split()[0]: re.split(r"\s{2,}", line) for line in lines if line.split() and line.split()[0] in ("pods", "trl")}
+    assert rows["pods"][2] == rows["trl"][2] == "2-3" and rows["pods"][-1] == rows["trl"][-1] == "ok, 20 s"
+    assert rows["pods"][7] == rows["trl"][7] == "0.00 / 0.00"  # a CPU: torch.cuda's peaks are 0
+    assert any(line.startswith("step time ratios: pods / trl ") for line in lines)

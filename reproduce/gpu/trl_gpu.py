@@ -5,7 +5,8 @@ loss normalization, learning rate 5e-6, clipping 0.1, temperature 0.9; train.py'
 (trl_pods.task_dataset, trl_pods.task_reward). Run from the repository root:
     python3 reproduce/gpu/trl_gpu.py --model DIR --dataset gsm8k --n 32 --max-new-tokens 512 --steps 3 --out-dir /tmp/trl
 It writes OUT_DIR/metrics.jsonl, a row per optimizer step with train.py's keys (step, elapsed_s, generation_s,
-update_s, completion_len), and prints torch.cuda's peak memory as peak.py does.
+update_s, completion_len), and prints torch.cuda's peak memory as peak.py does. On a CPU it runs too, as a dry run
+of the stage (test_gpu_check.py), with every memory figure 0.
 """
 
 import argparse
@@ -19,6 +20,12 @@ import torch
 from transformers import TrainerCallback
 
 
+def synchronize() -> None:
+    """Wait for the GPU's queued work, so that a clock read after it counts it (nothing to wait for on a CPU: a dry run)."""
+    if torch.cuda.is_available():
+        torch.cuda.synchronize()
+
+
 class Clock(TrainerCallback):
     """Each optimizer step's seconds, from its start to its end, and the share of them TRL's generation took
     (`timed`), written as a train.py metrics row."""
@@ -27,11 +34,11 @@ class Clock(TrainerCallback):
         self.metrics_file, self.n, self.elapsed_s = metrics_file, n, 0.0
 
     def on_step_begin(self, args, state, control, **kwargs):
-        torch.cuda.synchronize()
+        synchronize()
         self.start, self.generation_s, self.lengths = time.perf_counter(), 0.0, []
 
     def on_step_end(self, args, state, control, **kwargs):
-        torch.cuda.synchronize()
+        synchronize()
         step_s = time.perf_counter() - self.start
         self.elapsed_s += step_s
         row = {"step": state.global_step, "elapsed_s": round(self.elapsed_s, 3), "generation_s": round(self.generation_s, 3),
@@ -44,10 +51,10 @@ class Clock(TrainerCallback):
     def timed(self, generate_and_score):
         """TRL's _generate_and_score_completions, adding its seconds and completion lengths to this step's."""
         def generate_and_score_timed(inputs):
-            torch.cuda.synchronize()
+            synchronize()
             start = time.perf_counter()
             batch = generate_and_score(inputs)
-            torch.cuda.synchronize()
+            synchronize()
             self.generation_s += time.perf_counter() - start
             self.lengths += batch["completion_mask"].sum(dim=1).tolist()
             return batch
@@ -69,11 +76,12 @@ def main(argv: list[str]) -> None:
 
     import model
     import trl_pods
-    from peak import peak_line
+    from peak import PhasePeaks
 
     config = GRPOConfig(output_dir=args.out_dir, num_generations=args.n, per_device_train_batch_size=4,
                         gradient_accumulation_steps=args.n // 4, max_completion_length=args.max_new_tokens, temperature=0.9,
                         learning_rate=5e-6, max_grad_norm=0.1, beta=0.0, loss_type="grpo", bf16=True,
+                        use_cpu=not torch.cuda.is_available(),  # a dry run on a CPU (test_gpu_check.py)
                         model_init_kwargs={"dtype": torch.bfloat16}, **trl_pods.activation_checkpointing(True),
                         max_steps=args.steps, logging_steps=1, report_to=[], save_strategy="no", disable_tqdm=True, seed=0)
     Path(args.out_dir).mkdir(parents=True, exist_ok=True)
@@ -86,7 +94,7 @@ def main(argv: list[str]) -> None:
         trainer._generate_and_score_completions = clock.timed(trainer._generate_and_score_completions)
         print(f"TRL trainer built in {time.time() - start:.0f} s", flush=True)
         trainer.train()
-    print(f"TRL done after {time.time() - start:.0f} s; {peak_line()}")
+    print(f"TRL done after {time.time() - start:.0f} s; {PhasePeaks(cuda=torch.cuda.is_available()).line()}")
 
 
 if __name__ == "__main__":
