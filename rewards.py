@@ -41,9 +41,9 @@ _ANSWER = re.compile(r"<answer>(.*?)</answer>", re.DOTALL)
 _STRUCTURE = re.compile(r"^\s*<think>.*?</think>\s*<answer>.*?</answer>\s*$", re.DOTALL)
 # A number: optional minus (not after a word character, so "5-3" reads as 5 and 3), digits
 # with optional thousands commas or spaces ("1,000" and "18 000", as GSM8K's solutions write them, but not "1,2"),
-# optional decimals, optional "/denominator"; or ".5"; or a mixed number: whole digits (not after a letter, "^",
-# "." or ","), a space and a fraction ("2 1/2", not "17 000/5").
-_NUMBER = re.compile(r"(?:(?<![\w)])-\s?)?(?:(?<![\w^.,])\d+ {1,2}[1-9]\d*/\d+|(?:\d{1,3}(?:(?:,\d{3})+|(?: \d{3})+)(?!\d)|\d+)(?:\.\d+)?(?:\s?/\s?\d+)?|\.\d+)")
+# optional decimals, optional "/denominator" (with decimals too: "3/1.5" is 2, not 3/1 and .5); or ".5"; or a mixed
+# number: whole digits (not after a letter, "^", "." or ","), a space and a fraction ("2 1/2", not "17 000/5").
+_NUMBER = re.compile(r"(?:(?<![\w)])-\s?)?(?:(?<![\w^.,])\d+ {1,2}[1-9]\d*/\d+|(?:\d{1,3}(?:(?:,\d{3})+|(?: \d{3})+)(?!\d)|\d+)(?:\.\d+)?(?:\s?/\s?\d+(?:\.\d+)?)?|\.\d+)")
 _MIXED = re.compile(r"(-)?\s?(\d+) {1,2}([1-9]\d*)/(\d+)")  # the parts of a mixed number _NUMBER found
 # Digits that continue a number past one separator without forming a thousands group, "1,00", "1_000", "3,0",
 # "1 00": a run that starts with 0 there is no number of its own (it read as 0, matching a reference of 0).
@@ -52,8 +52,8 @@ _CONTINUED = re.compile(r"\d[,_ ]0")
 _OPERAND_BEFORE = re.compile(r"[\d)][ \t]+$")
 # A markdown bullet: "-" starting a line (after optional indentation) and followed by a space or tab.
 _BULLET = re.compile(r"^([ \t]*)-(?=[ \t])", re.MULTILINE)
-# LaTeX fractions: \frac{3}{4}, \dfrac{-1}{2}, \tfrac34 (one-digit arguments need no braces).
-_FRAC = re.compile(r"\\[dt]?frac\s*(?:\{\s*(-?\d+)\s*\}|(\d))\s*(?:\{\s*(\d+)\s*\}|(\d))")
+# LaTeX fractions: \frac{3}{4}, \dfrac{-1}{2}, \frac{1.5}{2}, \tfrac34 (one-digit arguments need no braces).
+_FRAC = re.compile(r"\\[dt]?frac\s*(?:\{\s*(-?\d+(?:\.\d+)?)\s*\}|(\d))\s*(?:\{\s*(\d+(?:\.\d+)?)\s*\}|(\d))")
 
 
 def _numbers(text: str, list_markers: bool = True) -> list[str]:
@@ -86,9 +86,10 @@ def normalize_number(s: str | None, list_markers: bool = True) -> str | None:
     extracted, such as an <answer> tag's content), "- 72" gives "-72". A minus after a number and a space
     is a subtraction: "10 - 3" gives "3", as the authors' grader reads it (its last number never has a sign).
     Any other minus is a sign: "-72", "\\n-72", "x = -3", "answer: - 3" and "\\boxed{- 5}" give negatives.
-    "12.0" and "12" both give "12", "-3.50" gives "-3.5", "3/4" and "0.75" both give "0.75",
-    "1/3" gives "1/3" (a fraction without a finite decimal stays a fraction). A whole number and a proper
-    fraction are a mixed number: "2 1/2" and "2\\frac{1}{2}" give "2.5". Unicode's minus, "\u2212 5", is a minus.
+    "12.0" and "12" both give "12", "-3.50" gives "-3.5", "3/4" and "0.75" both give "0.75", "3/1.5"
+    and "\\frac{3}{1.5}" give "2", "1/3" gives "1/3" (a fraction without a finite decimal stays a fraction).
+    A whole number and a proper fraction are a mixed number: "2 1/2" and "2\\frac{1}{2}" give "2.5".
+    Unicode's minus, "\u2212 5", is a minus.
     """
     if not s:
         return None
@@ -106,7 +107,7 @@ def normalize_number(s: str | None, list_markers: bool = True) -> str | None:
         written = f"{numerator}/{denominator}"
     token = re.sub(r"[\s,]", "", written)
     numerator, _, denominator = token.partition("/")
-    if denominator and int(denominator) == 0:
+    if denominator and Fraction(denominator) == 0:
         return None
     value = Fraction(numerator) / Fraction(denominator or 1)
     return _canonical(value)

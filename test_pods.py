@@ -225,6 +225,7 @@ def test_reward_table(completion, answer, expected):
         ("0.125", "0.125"), ("007", "7"), ("1" * 100, None),
         ("2 1/2", "2.5"), ("2\\frac{1}{2}", "2.5"), ("2 7/4", "1.75"), ("\u22125", "-5"), ("\\frac{\u22121}{2}", "-0.5"),
         ("a3 1/2", "0.5"), ("x^2\\frac{1}{4}", "0.25"),  # no mixed number after a letter or an exponent
+        ("\\frac{1.5}{2}", "0.75"), ("\\frac{3}{1.5}", "2"), ("3/1.5", "2"), ("X=$60/1.5", "40"), ("4/0.0", None),  # were 2, 1.5, 0.5, 0.5, 0
     ],
 )
 def test_normalize_number(text, expected):
@@ -235,6 +236,7 @@ def test_normalize_number(text, expected):
     ("<answer>2 1/2</answer>", "2.5", True), ("<answer>2 1/2</answer>", "0.5", False),  # was 0.5: the fraction alone
     ("<answer>-2 1/2</answer>", "-2.5", True), ("<answer>2\\frac{1}{2}</answer>", "0.5", False),
     ("<answer>\u22125</answer>", "-5", True), ("<answer>\u22125</answer>", "5", False),  # was 5: Unicode's minus dropped
+    ("<answer>\\frac{1.5}{2}</answer>", "2", False), ("<answer>\\frac{1.5}{2}</answer>", "0.75", True),  # was 2: the denominator
 ])
 def test_a_mixed_number_and_unicode_minus_keep_their_value(completion, answer, correct):
     assert rewards.correctness_reward(completion, answer) == (1.0 if correct else 0.0)
