@@ -6,7 +6,7 @@ repeat with their mean and standard error, and the format rate. eval-DATASET.csv
 for a spreadsheet, and plot.py reads the JSON (plot.read_results) to draw the paper's figure. A file
 made with other settings is refused, not mixed in. The base model's row (step 0, time 0) is the same for
 every run of one model, so it is kept once in BASE_CACHE, keyed on the settings, the test set's contents
-and the code that generates (a new sampler draws another random stream).
+and the code that generates and grades (a new sampler draws another random stream).
 """
 from __future__ import annotations
 
@@ -24,6 +24,7 @@ import checkpoint
 import decode
 import model as models
 import plot
+import rewards
 import sampling
 import vllm_sampler
 
@@ -77,9 +78,10 @@ def write_results(out: Path, settings: dict, results: list[dict]) -> None:
     checkpoint.write_atomic(out.with_suffix(".csv"), table.getvalue())
 
 
-def generation_code() -> dict:
-    """What, besides the settings, decides the text sampled with a seed: the source of sampling.py, decode.py and
-    vllm_sampler.py and the versions of the libraries that generate (a new sampler draws another random stream)."""
+def evaluation_code() -> dict:
+    """What, besides the settings, decides a result: the source of sampling.py, decode.py and vllm_sampler.py and the
+    versions of the libraries that generate (a new sampler draws another random stream from the same seed), and the
+    source of rewards.py, which grades the answers."""
     from importlib import metadata
 
     versions = {}
@@ -87,15 +89,15 @@ def generation_code() -> dict:
         with contextlib.suppress(metadata.PackageNotFoundError):
             versions[package] = metadata.version(package)
     sources = {Path(module.__file__).name: hashlib.sha256(Path(module.__file__).read_bytes()).hexdigest()[:16]
-               for module in (sampling, decode, vllm_sampler)}
+               for module in (sampling, decode, vllm_sampler, rewards)}
     return {**sources, **versions}
 
 
 def base_cache_file(base: str, settings: dict) -> Path:
     """Where the base model's result for these settings (eval.Settings.key()) is kept: every run of one model
     starts from the same weights, so its step-0 point is evaluated once, not once per run, and again after
-    the generation code changes (so that a run's base point comes from the code its checkpoints do)."""
+    the code that samples or grades changes (so that a run's base point comes from the code its checkpoints do)."""
     dataset = Path(settings["dataset"])  # a file: its contents too (another folder's test.jsonl, an edited one)
     contents = {"dataset_sha256": hashlib.sha256(dataset.read_bytes()).hexdigest()} if dataset.is_file() else {}
-    key = json.dumps({"model": base, **settings, **contents, **generation_code()}, sort_keys=True)
+    key = json.dumps({"model": base, **settings, **contents, **evaluation_code()}, sort_keys=True)
     return BASE_CACHE / f"{hashlib.sha256(key.encode()).hexdigest()[:16]}.json"

@@ -106,9 +106,9 @@ def test_a_base_models_cached_result_is_reused_without_reading_the_test_set(tiny
     assert [r["checkpoint"] for r in again] == ["base"] and again == first
 
 
-@pytest.mark.parametrize("source", ["sampling", "decode", "vllm_sampler"])
-def test_eval_does_not_reuse_a_base_result_sampled_by_other_generation_code(tmp_path, monkeypatch, source):
-    module = {"sampling": sampling, "decode": decode, "vllm_sampler": vllm_sampler}[source]
+@pytest.mark.parametrize("source", ["sampling", "decode", "vllm_sampler", "rewards"])
+def test_eval_does_not_reuse_a_base_result_sampled_or_graded_by_other_code(tmp_path, monkeypatch, source):
+    module = {"sampling": sampling, "decode": decode, "vllm_sampler": vllm_sampler, "rewards": rewards}[source]
     settings = evaluation.Settings("arith", 4, samples=1, repeats=1, temperature=0.9, max_new_tokens=8)
     same = tmp_path / f"{source}.py"
     same.write_bytes(Path(module.__file__).read_bytes())
@@ -117,7 +117,7 @@ def test_eval_does_not_reuse_a_base_result_sampled_by_other_generation_code(tmp_
     assert results.base_cache_file("model", settings.key()) == before  # the same code: the cached result is reused
     same.write_bytes(same.read_bytes() + b"\n# a changed sampler\n")
     assert results.base_cache_file("model", settings.key()) != before  # a new sampler's random stream: evaluated again
-    assert {"sampling.py", "decode.py", "vllm_sampler.py", "torch", "transformers"} <= results.generation_code().keys()
+    assert {"sampling.py", "decode.py", "vllm_sampler.py", "rewards.py", "torch", "transformers"} <= results.evaluation_code().keys()
 
 
 def test_eval_does_not_reuse_a_base_result_for_another_file_of_the_same_name(tmp_path, monkeypatch):
