@@ -288,10 +288,11 @@ def write_config(out_dir: Path, settings: dict, resumed_step: int | None = None)
 
 
 def check_nothing_else_is_replaced(out_dir: Path, resuming: bool) -> None:
-    """Refuses in one line (`continues`, before anything loads or is deleted), what a run would overwrite in out_dir that is not its own: a
-    config.json that train.py did not write (a model directory's), or, for a run that starts, a checkpoint-STEP
-    directory (another trainer's, or a run copied in part), which the save at that step would delete. (A resumed run
-    replaces an incomplete checkpoint after the one it continues from: its own, damaged; `find` warns of it.)"""
+    """Refuses in one line, before anything loads or is deleted (`continues` calls it first), what a run would
+    overwrite in out_dir that is not its own: a config.json that train.py did not write (a model directory's), or,
+    for a run that starts, a checkpoint-STEP directory (another trainer's, or a run copied in part), which the save
+    at that step would delete. (A resumed run replaces an incomplete checkpoint after the one it continues from: its
+    own, damaged; `find` warns of it.)"""
     path = out_dir / "config.json"
     if path.exists():
         try:

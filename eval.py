@@ -160,14 +160,6 @@ def evaluate_target(sampler, target: Target, prompts: list[list[int]], examples:
             "format_rate": float(np.mean(format_rates))}
 
 
-
-
-
-
-
-
-
-
 def is_result_of(result: dict, target: Target, base: str) -> bool:
     """A stored result belongs to this target: same model, same checkpoint name, step and training
     time (a checkpoint retrained under the same name is a different one)."""
@@ -175,14 +167,10 @@ def is_result_of(result: dict, target: Target, base: str) -> bool:
             and math.isclose(result["elapsed_s"], target.elapsed_s, abs_tol=1e-6))
 
 
-
-
 def generation_precision(backend: str) -> str:
     """bfloat16 (vLLM, a GPU, a CPU with AVX-512 BF16 or AMX), else float32: train.py's CPU default there."""
     device = "cuda" if torch.cuda.is_available() else "cpu"
     return "bfloat16" if vllm_sampler.uses_vllm(backend, device) or models.computes_bfloat16(device) else "float32"
-
-
 
 
 def evaluate(path: str, settings: Settings, out: str | None, force: bool, backend: str,

@@ -415,7 +415,3 @@ def plot_training(run_dirs: list[Path], out: Path, smooth: int = 5) -> str:
     fig.savefig(out, dpi=110)
     plt.close(fig)
     return "\n".join(lines)
-
-
-
-

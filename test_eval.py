@@ -1,5 +1,5 @@
-"""eval.py: evaluating checkpoints, and results.py, the results file it keeps; and plot.py, which its --plot and --plot-train run: the authors'
-speed-up rule and the figures. (The CPU reproduction's statistics and scripts: reproduce/test_*.py.)"""
+"""eval.py: evaluating checkpoints, and results.py, the results file it keeps; and plot.py, which its --plot and
+--plot-train run: the authors' speed-up rule and the figures. (The CPU reproduction's statistics and scripts: reproduce/test_*.py.)"""
 
 from __future__ import annotations
 
@@ -115,8 +115,8 @@ def test_eval_does_not_reuse_a_base_result_sampled_or_graded_by_other_code(tmp_p
     before = results.base_cache_file("model", settings.key())
     monkeypatch.setattr(module, "__file__", str(same))
     assert results.base_cache_file("model", settings.key()) == before  # the same code: the cached result is reused
-    same.write_bytes(same.read_bytes() + b"\n# a changed sampler\n")
-    assert results.base_cache_file("model", settings.key()) != before  # a new sampler's random stream: evaluated again
+    same.write_bytes(same.read_bytes() + b"\n# a changed sampler or grader\n")
+    assert results.base_cache_file("model", settings.key()) != before  # another random stream, or other grades: evaluated again
     assert {"sampling.py", "decode.py", "vllm_sampler.py", "rewards.py", "torch", "transformers"} <= results.evaluation_code().keys()
 
 
