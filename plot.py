@@ -79,7 +79,7 @@ PRECISION_FIELDS = {"bf16_autocast", "bf16_weights"}  # may differ between seeds
 
 
 def setting_text(config: dict, key: str) -> str:
-    """A config.json setting in a message: as written there, or "(not set)" where the file has no such key."""
+    """A setting in a message: as written in its file, or "(not set)" where the file has no such key."""
     return json.dumps(config[key]) if key in config else "(not set)"
 
 
@@ -89,6 +89,15 @@ def run_precision(config: dict, eval_settings: dict) -> str:
     trained = ("bfloat16 weights" if config.get("bf16_weights") else "bfloat16 autocast" if config.get("bf16_autocast")
                else "float32")
     return f"trained in {trained}, evaluated in {eval_settings.get('precision', 'bfloat16')}"
+
+
+# The digests in eval.py's settings (results.results_key), named in a message by what they stand for
+DIGESTS = {"test_set": " (a digest of the questions and reference answers)", "grader": " (a digest of rewards.py)"}
+
+
+def setting_change(key: str, first: dict, second: dict) -> str:
+    """How an evaluation setting differs between two settings dicts, for a message: `limit 200 against 4`."""
+    return f"{key}{DIGESTS.get(key, '')} {setting_text(first, key)} against {setting_text(second, key)}"
 
 
 def differing_keys(a: dict, b: dict, ignore: frozenset[str] | set[str] = frozenset()) -> list[str]:
@@ -115,22 +124,44 @@ def read_results(path: Path, fix: str) -> dict:
         stored = None
     if not (isinstance(stored, dict) and isinstance(stored.get("settings"), dict) and isinstance(stored.get("results"), list)):
         raise PlotError(f"{path} is not eval.py's results (JSON with settings and results); {fix}")
-    if not all(isinstance(r, dict) and isinstance(r.get("accuracy"), (int, float)) and math.isfinite(r["accuracy"]) for r in stored["results"]):
-        raise PlotError(f"{path} has a result whose accuracy is not a number (edited, or another tool's); {fix}")  # NaN: a wrong peak
+    for row in stored["results"]:
+        if problem := row_problem(row):  # NaN accuracy: a wrong peak
+            raise PlotError(f"{path} has a result {problem} (edited, or another tool's); {fix}")
     return stored
 
 
-# What the settings of one comparison share: the model and the task (other ones are refused), and the objective and
-# its optimisation (other values are named beside the table: the labels show the rule, n, m and --uniform-groups only)
+def row_problem(row) -> str | None:
+    """What makes a row of results unusable ("whose accuracy is not a number"), or None."""
+    if not isinstance(row, dict):
+        return "that is not a JSON object"
+    if not isinstance(row.get("checkpoint"), str):
+        return "without a checkpoint name"
+    for key, kind in (("step", int), ("elapsed_s", (int, float)), ("accuracy", (int, float))):
+        if not is_number(row.get(key), kind):
+            return f"whose {key} is not a number"
+    return None
+
+
+def is_number(value, kind: type | tuple[type, ...]) -> bool:
+    """A finite number of `kind` (JSON's true and false are no numbers)."""
+    return isinstance(value, kind) and not isinstance(value, bool) and math.isfinite(value)
+
+
+# What the settings of one comparison share: the model and the task (other ones are refused), the objective and
+# its optimisation, and what sets the clock that a speed-up reads (the machine, the engine and its speed settings;
+# the precision is named seed by seed, run_precision). Other values of those are named beside the table: the labels
+# show the rule, n, m and --uniform-groups only.
 TASK_FIELDS = ("model_resolved", "dataset")
 OBJECTIVE_FIELDS = ("prompts_per_step", "max_prompt_tokens", "max_new_tokens", "temperature", "lr", "adam_beta1", "adam_beta2",
                     "weight_decay", "max_grad_norm", "warmup_ratio", "lora_rank", "lora_alpha", "clip_eps", "clip_eps_high", "beta",
                     "tis_cap")
+CLOCK_FIELDS = ("device", "world_size", "torch", "backend", "gen_batch", "micro_batch", "gradient_checkpointing", "share_prompt",
+                "merged_sampler", "cuda_graph", "gpu_memory_utilization", "vllm_kv_cache_gb", "vllm_enforce_eager", "vllm_sleep")
 
 
 def setting_differences(first_config: dict[str, tuple[Path, dict]]) -> list[str]:
     """Each setting's first run against the first setting's (all its runs agree, group_curves): another model or
-    task is refused, and the OBJECTIVE_FIELDS that differ are returned as text."""
+    task is refused, and the OBJECTIVE_FIELDS and CLOCK_FIELDS that differ are returned as text."""
     (base_label, (base_run, base)), *others = first_config.items()
     differences = []
     for label, (run, config) in others:
@@ -139,7 +170,7 @@ def setting_differences(first_config: dict[str, tuple[Path, dict]]) -> list[str]
                 raise PlotError(f"{run} ({label}) and {base_run} ({base_label}) trained with {key} {setting_text(config, key)} "
                                 f"against {setting_text(base, key)}; a speed-up compares settings on one model and task")
         differences += [f"{key} {setting_text(config, key)} in {label} against {setting_text(base, key)} in {base_label}"
-                        for key in OBJECTIVE_FIELDS if config.get(key) != base.get(key)]
+                        for key in OBJECTIVE_FIELDS + CLOCK_FIELDS if config.get(key) != base.get(key)]
     return differences
 
 
@@ -165,6 +196,9 @@ def group_curves(run_dirs: list[Path], results_file: str | None, clock=None
         files = sorted(run.glob("eval-*.json"))
         if results_file is not None:
             files = [f for f in files if f.name == results_file]
+        if results_file is not None and not files:
+            raise PlotError(f"{run} has no {results_file}, the results for that --dataset; evaluate it first: "
+                            f"python eval.py {run} with that --dataset")
         if len(files) != 1:
             what = "no eval-*.json" if not files else f"several results files ({', '.join(f.name for f in files)})"
             raise PlotError(f"{run} has {what}; run `python eval.py {run}` first, or pass --dataset to pick one")
@@ -174,12 +208,16 @@ def group_curves(run_dirs: list[Path], results_file: str | None, clock=None
         if eval_settings is None:
             eval_settings = (run, stored["settings"])
         elif differing := differing_keys(stored["settings"], eval_settings[1], ignore={"precision"}):
-            first = eval_settings[1]
-            values = "; ".join(f"{key} {stored['settings'].get(key)} against {first.get(key)}" for key in differing)
-            flags = " ".join(f"--{key.replace('_', '-')} {'all' if first.get(key) is None else first[key]}" for key in differing)
-            raise PlotError(f"{run} and {eval_settings[0]} were evaluated with different settings ({values}); "
-                            f"evaluate them alike before comparing: python eval.py {run} {flags} --force")
+            first_run, first = eval_settings
+            values = "; ".join(setting_change(key, stored["settings"], first) for key in differing)
+            flags = "".join(f" --{key.replace('_', '-')} {'all' if first.get(key) is None else first[key]}"
+                            for key in differing if key not in DIGESTS)
+            redo = [run, first_run] if DIGESTS.keys() & set(differing) else [run]  # another grader: both, with this one
+            raise PlotError(f"{run} and {first_run} were evaluated with different settings ({values}); evaluate them alike "
+                            f"before comparing: {' and '.join(f'python eval.py {r}{flags} --force' for r in redo)}")
         config = read_json(run / "config.json", "it is the run's settings, written by train.py: copy the run again")
+        if "model_resolved" not in config:  # a model's own config.json
+            raise PlotError(f"{run / 'config.json'} is not a training run's (train.py writes model_resolved, rule, n and m there)")
         label = label_of(config)
         if label in first_config:
             other, other_config = first_config[label]

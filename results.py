@@ -1,12 +1,12 @@
 """eval.py's results file: what it stores for each checkpoint, and when a stored result is reused.
 
 RUN/eval-DATASET.json holds the evaluation's settings (dataset, limit, samples, repeats, temperature,
-completion length, seed) and one row per checkpoint: its step and training time, the accuracy of each
-repeat with their mean and standard error, and the format rate. eval-DATASET.csv holds the same rows
-for a spreadsheet, and plot.py reads the JSON (plot.read_results) to draw the paper's figure. A file
-made with other settings is refused, not mixed in. The base model's row (step 0, time 0) is the same for
-every run of one model, so it is kept once in BASE_CACHE, keyed on the settings, the test set's contents
-and the code that generates and grades (a new sampler draws another random stream).
+completion length, seed, and digests of the test set and of the grader: results_key) and one row per checkpoint:
+its step and training time, the accuracy of each repeat with their mean and standard error, and the format rate.
+eval-DATASET.csv holds the same rows for a spreadsheet, and plot.py reads the JSON (plot.read_results) to draw the
+paper's figure. A file made with other settings, another test set or another grader is refused, not mixed in.
+The base model's row (step 0, time 0) is the same for every run of one model, so it is kept once in BASE_CACHE,
+keyed on those and on the code that generates (a new sampler draws another random stream).
 """
 from __future__ import annotations
 
@@ -47,7 +47,7 @@ def results_name(dataset: str) -> str:
 
 
 def load_results(out: Path, settings: dict, force: bool) -> list[dict]:
-    """The results already in `out`, made with `settings` (eval.Settings.key()). A file that is not eval.py's
+    """The results already in `out`, made with `settings` (results_key). A file that is not eval.py's
     results is refused, --force or not: --out pointed at a run's metrics.jsonl or config.json would otherwise
     replace it."""
     if out.is_dir():
@@ -57,9 +57,10 @@ def load_results(out: Path, settings: dict, force: bool) -> list[dict]:
     stored = plot.read_results(out, "choose another --out, or delete it if it is a damaged one")
     if force:
         return []
-    if stored["settings"] != settings:
-        differing = {k: v for k, v in stored["settings"].items() if settings.get(k) != v}
-        raise ResultsError(f"{out} holds results made with other settings {differing}; pass --force to redo them or choose --out")
+    if differing := plot.differing_keys(stored["settings"], settings):
+        changes = "; ".join(plot.setting_change(key, stored["settings"], settings) for key in differing)
+        raise ResultsError(f"{out} holds results made with other settings (stored against asked: {changes}); "
+                           f"pass --force to redo them or choose --out")
     return stored["results"]
 
 
@@ -78,26 +79,34 @@ def write_results(out: Path, settings: dict, results: list[dict]) -> None:
     checkpoint.write_atomic(out.with_suffix(".csv"), table.getvalue())
 
 
-def evaluation_code() -> dict:
-    """What, besides the settings, decides a result: the source of sampling.py, decode.py and vllm_sampler.py and the
-    versions of the libraries that generate (a new sampler draws another random stream from the same seed), and the
-    source of rewards.py, which grades the answers."""
+def source_digest(module) -> str:
+    return hashlib.sha256(Path(module.__file__).read_bytes()).hexdigest()[:16]
+
+
+def results_key(settings: dict, examples: list) -> dict:
+    """What must match for a stored result to be reused, and for runs to be compared in one plot: the settings
+    (eval.Settings.key()), the test set itself (a digest of its questions and reference answers: another file of
+    the same name, an edited one, or a changed reader of it gives another) and the grader (rewards.py's source).
+    The sampler's code is not in it: another sampler draws another random stream of the same accuracy."""
+    test_set = json.dumps([[example.question, example.answer] for example in examples])
+    return {**settings, "test_set": hashlib.sha256(test_set.encode()).hexdigest()[:16], "grader": source_digest(rewards)}
+
+
+def generation_code() -> dict:
+    """The source of sampling.py, decode.py and vllm_sampler.py and the versions of the libraries that generate:
+    a new sampler draws another random stream from the same seed."""
     from importlib import metadata
 
     versions = {}
     for package in ("torch", "transformers", "vllm"):
         with contextlib.suppress(metadata.PackageNotFoundError):
             versions[package] = metadata.version(package)
-    sources = {Path(module.__file__).name: hashlib.sha256(Path(module.__file__).read_bytes()).hexdigest()[:16]
-               for module in (sampling, decode, vllm_sampler, rewards)}
-    return {**sources, **versions}
+    return {**{Path(m.__file__).name: source_digest(m) for m in (sampling, decode, vllm_sampler)}, **versions}
 
 
-def base_cache_file(base: str, settings: dict) -> Path:
-    """Where the base model's result for these settings (eval.Settings.key()) is kept: every run of one model
-    starts from the same weights, so its step-0 point is evaluated once, not once per run, and again after
-    the code that samples or grades changes (so that a run's base point comes from the code its checkpoints do)."""
-    dataset = Path(settings["dataset"])  # a file: its contents too (another folder's test.jsonl, an edited one)
-    contents = {"dataset_sha256": hashlib.sha256(dataset.read_bytes()).hexdigest()} if dataset.is_file() else {}
-    key = json.dumps({"model": base, **settings, **contents, **evaluation_code()}, sort_keys=True)
-    return BASE_CACHE / f"{hashlib.sha256(key.encode()).hexdigest()[:16]}.json"
+def base_cache_file(base: str, key: dict) -> Path:
+    """Where the base model's result for this results_key is kept: every run of one model starts from the same
+    weights, so its step-0 point is evaluated once, not once per run, and again after the code that samples
+    changes (so that a run's base point comes from the code its checkpoints do)."""
+    text = json.dumps({"model": base, **key, **generation_code()}, sort_keys=True)
+    return BASE_CACHE / f"{hashlib.sha256(text.encode()).hexdigest()[:16]}.json"

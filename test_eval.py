@@ -88,48 +88,65 @@ def test_eval_reuses_the_base_model_result_across_runs(tiny_run, tmp_path, caplo
     assert [r["checkpoint"] for r in again] == ["base", "checkpoint-1", "checkpoint-2"] and again[0] == base
 
 
-def test_a_base_models_cached_result_is_reused_without_reading_the_test_set(tiny_model_dir, tmp_path, monkeypatch):
-    """GSM8K from the hub, offline: a base model evaluated before is answered from its cache, as before the test set
-    was read ahead of the cache (it stopped with "could not download" instead)."""
-    hub = [[data.Example("What is 2 + 3?", "5"), data.Example("What is 4 + 4?", "8")]]
-
-    def gsm8k(dataset, split, **kwargs):
-        if not hub:
-            raise data.DataError("could not download GSM8K")
-        return hub.pop()
-
-    monkeypatch.setattr(data, "load_examples", gsm8k)
+def test_a_base_models_cached_result_is_reused_only_for_the_same_test_set(tiny_model_dir, tmp_path, monkeypatch, caplog):
+    """The cache is keyed on a digest of the questions and reference answers (results.results_key): GSM8K read
+    another way (another revision on the hub, a changed reader in data.py) is evaluated again, not answered from it."""
+    test_sets = {"first": [data.Example("What is 2 + 3?", "5"), data.Example("What is 4 + 4?", "8")]}
+    test_sets["other"] = [test_sets["first"][0], data.Example("What is 4 + 4?", "9")]
+    reading = ["first"]
+    monkeypatch.setattr(data, "load_examples", lambda dataset, split, **kwargs: test_sets[reading[0]])
     argv = [str(tiny_model_dir), "--dataset", "gsm8k", "--repeats", "1", "--max-new-tokens", "4"]
     assert evaluation.main([*argv, "--out", str(tmp_path / "first.json")]) == 0
-    assert evaluation.main([*argv, "--out", str(tmp_path / "again.json")]) == 0  # the hub's examples are gone
-    first, again = (json.loads((tmp_path / name).read_text())["results"] for name in ("first.json", "again.json"))
-    assert [r["checkpoint"] for r in again] == ["base"] and again == first
+    for name, reused in (("first", True), ("other", False)):
+        reading[0] = name
+        caplog.clear()
+        with caplog.at_level("INFO", logger="pods"):
+            assert evaluation.main([*argv, "--out", str(tmp_path / f"{name}-again.json")]) == 0
+        assert ("base model: result reused from" in caplog.text) == reused
 
 
 @pytest.mark.parametrize("source", ["sampling", "decode", "vllm_sampler", "rewards"])
 def test_eval_does_not_reuse_a_base_result_sampled_or_graded_by_other_code(tmp_path, monkeypatch, source):
     module = {"sampling": sampling, "decode": decode, "vllm_sampler": vllm_sampler, "rewards": rewards}[source]
     settings = evaluation.Settings("arith", 4, samples=1, repeats=1, temperature=0.9, max_new_tokens=8)
+    examples = data.load_examples("arith", "test")[:4]
     same = tmp_path / f"{source}.py"
     same.write_bytes(Path(module.__file__).read_bytes())
-    before = results.base_cache_file("model", settings.key())
+    before = results.base_cache_file("model", results.results_key(settings.key(), examples))
     monkeypatch.setattr(module, "__file__", str(same))
-    assert results.base_cache_file("model", settings.key()) == before  # the same code: the cached result is reused
+    assert results.base_cache_file("model", results.results_key(settings.key(), examples)) == before  # the same code: reused
     same.write_bytes(same.read_bytes() + b"\n# a changed sampler or grader\n")
-    assert results.base_cache_file("model", settings.key()) != before  # another random stream, or other grades: evaluated again
-    assert {"sampling.py", "decode.py", "vllm_sampler.py", "rewards.py", "torch", "transformers"} <= results.evaluation_code().keys()
+    assert results.base_cache_file("model", results.results_key(settings.key(), examples)) != before  # evaluated again
+    assert {"sampling.py", "decode.py", "vllm_sampler.py", "torch", "transformers"} <= results.generation_code().keys()
 
 
-def test_eval_does_not_reuse_a_base_result_for_another_file_of_the_same_name(tmp_path, monkeypatch):
-    """The base result's cache was keyed on --dataset as typed: another folder's test.jsonl, or the same file edited,
-    reused the first one's accuracy."""
-    monkeypatch.chdir(tmp_path)
-    (tmp_path / "test.jsonl").write_text(json.dumps({"question": "What is 1 + 1?", "answer": 2}) + "\n")
-    settings = evaluation.Settings("test.jsonl", None, samples=1, repeats=1, temperature=0.9, max_new_tokens=8)
-    first = results.base_cache_file("model", settings.key())
-    assert results.base_cache_file("model", settings.key()) == first  # the same file: reused
-    (tmp_path / "test.jsonl").write_text(json.dumps({"question": "What is 1 + 1?", "answer": 9999999}) + "\n")
-    assert results.base_cache_file("model", settings.key()) != first
+def test_eval_refuses_a_runs_results_from_another_test_set_or_grader_and_names_a_file_without_its_folder(
+        tiny_run, tmp_path, monkeypatch, capsys, caplog):
+    """A run's results were keyed on --dataset as typed and not on the grader: an edited test file, or a changed
+    rewards.py, added new checkpoints' points to the old ones, one curve graded two ways; and the same file typed
+    as another path was refused. Now the test set's and the grader's digests decide (results.results_key)."""
+    (tmp_path / "a").mkdir()
+    test_file = tmp_path / "a" / "test.jsonl"
+    test_file.write_text(json.dumps({"question": "What is 1 + 1?", "answer": 2}) + "\n")
+    out = tmp_path / "eval-test.json"
+    argv = [str(tiny_run), "--repeats", "1", "--max-new-tokens", "3", "--out", str(out), "--dataset"]
+    assert evaluation.main([*argv, str(test_file)]) == 0
+    monkeypatch.chdir(tmp_path / "a")
+    with caplog.at_level("INFO", logger="pods"):
+        assert evaluation.main([*argv, "test.jsonl"]) == 0  # the same file, typed another way: every result reused
+    assert "0 to evaluate, 3 already in" in caplog.text
+    assert json.loads(out.read_text())["settings"]["dataset"] == "test.jsonl"
+    test_file.write_text(json.dumps({"question": "What is 1 + 1?", "answer": 3}) + "\n")
+    assert evaluation.main([*argv, "test.jsonl"]) == 2
+    err = capsys.readouterr().err
+    assert "holds results made with other settings (stored against asked: test_set (a digest of the questions and " in err
+    assert "grader" not in err and err.endswith("; pass --force to redo them or choose --out\n")
+    test_file.write_text(json.dumps({"question": "What is 1 + 1?", "answer": 2}) + "\n")
+    grader = tmp_path / "rewards.py"
+    grader.write_bytes(Path(rewards.__file__).read_bytes() + b"\n# another grader\n")
+    monkeypatch.setattr(rewards, "__file__", str(grader))
+    assert evaluation.main([*argv, "test.jsonl"]) == 2
+    assert "(stored against asked: grader (a digest of rewards.py) " in capsys.readouterr().err
 
 
 def test_eval_defaults_to_the_runs_generation_settings_and_redoes_retrained_checkpoints(tiny_run, tmp_path, caplog):
@@ -161,7 +178,7 @@ def test_eval_refuses_results_made_with_other_settings(tiny_run, capsys):
     argv = [str(tiny_run), "--dataset", "arith", "--limit", "3", "--repeats", "2", "--max-new-tokens", "4", "--out", str(tiny_run / "other.json")]
     assert evaluation.main(argv) == 0
     assert evaluation.main([*argv[:2], "arith:1", *argv[3:]]) == 2
-    assert "holds results made with other settings {'dataset': 'arith'}" in capsys.readouterr().err
+    assert 'holds results made with other settings (stored against asked: dataset "arith" against "arith:1"; ' in capsys.readouterr().err
 
 
 def test_eval_out_naming_a_file_that_is_not_results_is_refused_even_with_force(tiny_run, tmp_path, capsys):
@@ -310,6 +327,14 @@ def test_plot_refuses_another_model_names_other_settings_and_picks_vanilla_grpo_
     out = capsys.readouterr().out.splitlines()
     assert out[1] == "the settings differ beyond their labels: lr 0.001 in PODS max_variance n=16 m=8 against 0.0003 in GRPO n=8 skip"
     assert out[3].startswith("baseline GRPO n=8: peak 0.600")
+    config = json.loads((pods / "config.json").read_text())  # what sets the clock a speed-up reads is named too
+    (pods / "config.json").write_text(json.dumps(config | {"device": "cuda", "world_size": 8}))
+    assert evaluation.main(["--plot", str(grpo), str(pods), *argv]) == 0
+    assert capsys.readouterr().out.splitlines()[1] == (
+        "the settings differ beyond their labels: lr 0.001 in PODS max_variance n=16 m=8 against 0.0003 in GRPO n=8; "
+        "device \"cuda\" in PODS max_variance n=16 m=8 against (not set) in GRPO n=8; world_size 8 in PODS max_variance "
+        "n=16 m=8 against (not set) in GRPO n=8")
+    (pods / "config.json").write_text(json.dumps(config))
     other_n = fake_run(tmp_path, "grpo16", "none", 16, 16, curve)
     assert evaluation.main(["--plot", str(grpo), str(other_n), str(pods), *argv]) == 2
     assert capsys.readouterr().err == ("error: several GRPO settings (GRPO n=8, GRPO n=16); pass --baseline to name the one to "
@@ -354,6 +379,12 @@ def test_plot_refuses_in_one_line_what_it_cannot_read_honestly(tmp_path, capsys,
     damaged = fake_run(tmp_path, "pods-s2", "max_variance", 8, 4, [(0, 0.2), (60, 0.5)], seed=2)
     (damaged / "eval-arith.json").write_text((damaged / "eval-arith.json").read_text()[:50])
     edited = fake_run(tmp_path, "pods-s3", "max_variance", 8, 4, [(0, 0.2), (60, math.nan)], seed=3)  # NaN: a wrong peak, or a crash
+    untimed = fake_run(tmp_path, "pods-s4", "max_variance", 8, 4, [(0, 0.2), (60, 0.5)], seed=4)  # it was a KeyError's traceback
+    stored = json.loads((untimed / "eval-arith.json").read_text())
+    del stored["results"][1]["elapsed_s"]
+    (untimed / "eval-arith.json").write_text(json.dumps(stored))
+    model_dir = fake_run(tmp_path, "model", "max_variance", 8, 4, [(0, 0.2), (60, 0.5)], seed=5)
+    (model_dir / "config.json").write_text(json.dumps({"architectures": ["LlamaForCausalLM"]}))  # a model's, not a run's
     png = str(tmp_path / "f.png")
     for runs, expected in (
             ([grpo, pods, pods], f"{pods} and {pods} are both seed 0 of PODS max_variance n=8 m=4; pass each seed once"),
@@ -363,7 +394,11 @@ def test_plot_refuses_in_one_line_what_it_cannot_read_honestly(tmp_path, capsys,
             ([grpo, damaged], f"{damaged / 'eval-arith.json'} is not eval.py's results (JSON with settings and results); "
                               f"evaluate again: python eval.py {damaged} --force"),
             ([grpo, edited], f"{edited / 'eval-arith.json'} has a result whose accuracy is not a number (edited, or another "
-                             f"tool's); evaluate again: python eval.py {edited} --force")):
+                             f"tool's); evaluate again: python eval.py {edited} --force"),
+            ([grpo, untimed], f"{untimed / 'eval-arith.json'} has a result whose elapsed_s is not a number (edited, or another "
+                              f"tool's); evaluate again: python eval.py {untimed} --force"),
+            ([grpo, model_dir], f"{model_dir / 'config.json'} is not a training run's (train.py writes model_resolved, rule, n "
+                                f"and m there)")):
         assert evaluation.main(["--plot", *map(str, runs), "--out", png]) == 2
         assert capsys.readouterr().err == f"error: {expected}\n"
     monkeypatch.chdir(tmp_path)  # a relative --out lands here (not where the tests run, which may hold a user's fig.png)
@@ -656,7 +691,7 @@ def test_eval_on_a_cpu_that_emulates_bfloat16_evaluates_in_float32_and_keeps_tho
     assert "generation backend: transformers (a float32 copy, adapter merged; float32: this CPU has no bfloat16 arithmetic)" in caplog.text
     monkeypatch.setattr(models, "computes_bfloat16", lambda device: True)
     assert evaluation.main([*argv, "--out", str(f32)]) == 2
-    assert "holds results made with other settings {'precision': 'float32'}; pass --force" in capsys.readouterr().err
+    assert 'other settings (stored against asked: precision "float32" against (not set)); pass --force' in capsys.readouterr().err
     assert evaluation.main([*argv, "--out", str(bf16)]) == 0
     assert "precision" not in json.loads(bf16.read_text())["settings"]  # as every result stored before it was named
 
@@ -667,6 +702,9 @@ def test_plot_takes_the_baseline_it_is_given(tmp_path, capsys):
     argv = ["--plot", str(grpo_run), str(pods_run), "--out", str(tmp_path / "fig.png"), "--baseline", "PODS max_variance n=16 m=8"]
     assert evaluation.main(argv) == 0
     assert "baseline PODS max_variance n=16 m=8: peak 0.650" in capsys.readouterr().out
+    assert evaluation.main([*argv, "--dataset", "gsm8k"]) == 2  # it said the run had no eval-*.json and to pass --dataset
+    assert capsys.readouterr().err == (f"error: {grpo_run} has no eval-gsm8k.json, the results for that --dataset; evaluate it "
+                                       f"first: python eval.py {grpo_run} with that --dataset\n")
 
 
 @pytest.mark.parametrize("sig", [signal.SIGINT, signal.SIGTERM])
