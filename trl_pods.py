@@ -13,7 +13,9 @@ advantages from the kept rewards (`grpo.group_advantages`), and hands TRL's loss
 
 Tested with trl 1.16.0 (requirements-trl.txt). The trainer needs `pods` and `grpo` of this project;
 `task_dataset` and `task_reward`, train.py's task for it, also `data` and `rewards`. Importing it with a
-TRL whose internals differ fails with one line saying so.
+TRL whose overridden methods have other signatures fails with one line saying so (check_trl; a TRL that
+changed what they do, or what the batch holds, under the same signatures is not caught there: a batch key
+it does not know stops the first step).
 
 What it overrides in GRPOTrainer, and why:
 - `_calculate_rewards`: calls TRL's and keeps its result, the reward of every reward function for
@@ -28,8 +30,9 @@ In evaluation (`model.training` False) nothing changes: all n rollouts are score
 Loss type: `loss_type="grpo"` is the paper's normalization, grpo.grpo_loss's: each completion's
 token losses averaged over its own tokens (1/|o_i|), then averaged over completions. TRL's "grpo"
 takes that mean per micro-batch and divides by the accumulation steps; the micro-batches are of
-equal size, so the sum is the mean over all kept completions. TRL's default "dapo" (and "bnpo",
-"dr_grpo") normalize by token counts instead, which weights long completions more.
+equal size, so the sum is the mean over all kept completions. TRL's default "dapo" (and "bnpo")
+normalize by token counts instead, which weights long completions more, and "dr_grpo" by rows x
+max_completion_length.
 
 Batch sizes: `per_device_train_batch_size` counts generated rollouts, as in TRL; after down-sampling
 each micro-batch holds per_device_train_batch_size x m / n of them. Checked at construction (one-line
@@ -42,7 +45,8 @@ mask_truncated_completions=True TRL zeroes truncated rows in both masks before c
 grpo_trainer.py 2487-2498), so a kept truncated row counts 0 tokens here as there.
 
 Logging: TRL's `reward`, `reward_std`, `frac_reward_zero_std`, `rewards/<func>/mean|std`, the
-`completions/*` lengths, `num_tokens` and the completions table (with TRL's advantages) describe all
+`completions/*` lengths, `num_tokens`, with vLLM `sampling/sampling_logp_difference/*` and
+`sampling/importance_sampling_ratio/*`, and the completions table (with TRL's advantages) describe all
 n generated rollouts; `pods/reward` and `pods/reward_std` the m kept, each computed as its TRL namesake
 (trl 1.16.0 grpo_trainer.py 2828-2830), and `pods/frac_reward_zero_std` the share of groups whose kept
 rewards are all equal (where their advantages are 0; TRL's tests the std with torch.isclose, 1e-8 from 0).
