@@ -55,6 +55,15 @@ def find(out_dir: Path, needs: tuple[str, ...] = CHECKPOINT_FILES) -> list[Path]
     return sorted(complete, key=lambda p: int(p.name.split("-")[-1]))
 
 
+def found_in(out_dir: Path) -> list[Path]:
+    """find's checkpoints of --out-dir, none where it does not exist yet; a path the file system will not look at
+    (no permission on a folder above it, a name too long) stops here in one line, before the model loads."""
+    try:
+        return find(out_dir) if out_dir.exists() else []
+    except OSError as err:
+        raise config.UsageError(f"--out-dir {out_dir}: cannot look there ({err.strerror}); choose another --out-dir") from None
+
+
 def random_state(rng: np.random.Generator) -> dict:
     """This process's random generators: torch (sampling on the hf backend), CUDA, the run's numpy
     generator (the random rule), and numpy's and Python's global ones: vLLM draws each request's

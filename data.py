@@ -30,7 +30,7 @@ from decimal import Decimal
 from pathlib import Path
 from urllib.parse import urlparse
 
-from rewards import normalize_number, parse_gsm8k_solution
+from rewards import MAX_NUMBER_CHARS, normalize_number, parse_gsm8k_solution
 
 ARITH = "arith"
 GSM8K = "gsm8k"
@@ -92,8 +92,8 @@ def _example(row: dict) -> Example | None:
     if not isinstance(question, str) or answer is None or isinstance(answer, bool):
         return None
     if isinstance(answer, (int, float)):  # a JSON number: str(1e-05) is "1e-05", whose last number is 5
-        answer = format(Decimal(repr(answer)), "f")
-    answer = str(answer)
+        answer = repr(answer)
+    answer = plain_number(str(answer))
     try:
         parsed = parse_gsm8k_solution(answer) if "####" in answer else normalize_number(answer, list_markers=False)
     except ValueError:
@@ -101,19 +101,33 @@ def _example(row: dict) -> Example | None:
     return Example(question, parsed) if parsed is not None else None
 
 
-def read_jsonl(path: Path) -> list[Example]:
-    if not path.is_file():
-        what = "is a directory, not a file" if path.is_dir() else "does not exist"
-        raise DataError(f"dataset file {path} {what}; pass a .jsonl path, '{GSM8K}' or '{ARITH}'")
-    examples, unusable = [], []
+def plain_number(answer: str) -> str:
+    """A reference answer written in scientific notation as plain digits ("2.5e3" is "2500", not its last number 3);
+    anything else as it is. An exponent beyond rewards.MAX_NUMBER_CHARS digits gives no number."""
     try:
-        lines = path.read_text(encoding="utf-8-sig").split("\n")  # -sig: a byte-order mark; not splitlines(): JSON may hold U+2028
+        value = Decimal(answer.strip())
+    except ArithmeticError:  # decimal.InvalidOperation: not one number ("72 apples", "1,000", "#### 5")
+        return answer
+    return format(value, "f") if value.is_finite() and abs(value.adjusted()) <= MAX_NUMBER_CHARS else ""
+
+
+def read_jsonl(path: Path) -> list[Example]:
+    try:
+        if not path.is_file():
+            what = "is a directory, not a file" if path.is_dir() else "does not exist"
+            raise DataError(f"dataset file {path} {what}; pass a .jsonl path, '{GSM8K}' or '{ARITH}'")
+        text = path.read_text(encoding="utf-8-sig")  # -sig: a byte-order mark
     except UnicodeDecodeError as err:
         raise DataError(f"{path} is not UTF-8 text ({err.reason} at byte {err.start}); save it as UTF-8 JSON lines") from None
-    for number, line in enumerate(lines, start=1):
+    except OSError as err:  # no permission, a name too long, a disk error
+        raise DataError(f"cannot read dataset file {path} ({err.strerror}); pass a .jsonl file you can read") from None
+    if text.lstrip().startswith("["):  # one JSON array over many lines: every row but the last ends in a comma
+        raise DataError(f"{path} is a JSON array; write one JSON object per line (JSON lines)")
+    examples, unusable = [], []
+    for number, line in enumerate(text.split("\n"), start=1):  # not splitlines(): JSON may hold U+2028
         try:
             row = json.loads(line)
-        except json.JSONDecodeError:
+        except (ValueError, RecursionError):  # not JSON, a number of over 4,300 digits, brackets nested too deep
             row = None
         example = _example(row) if isinstance(row, dict) else None
         if example is not None:

@@ -56,6 +56,11 @@ def test_jsonl_reader_accepts_gsm8k_solutions_and_bare_numbers(tmp_path):
                     + json.dumps({"question": "q3", "answer": 2.5}) + "\n" + json.dumps({"question": "q4", "answer": True}) + "\n")
     assert data.load_examples(str(path), "train") == [data.Example("q1", "0.00001"), data.Example("q2", "1000000000000000000000"),
                                                       data.Example("q3", "2.5")]
+    # the same written as strings: "2.5e3" was read as 3 and "1e-5" as 5, the last number of each
+    rows = [("q1", "2.5e3"), ("q2", "1e-5"), ("q3", " -4E2 "), ("q4", "1e999999999"), ("q5", "NaN"), ("q6", "72 apples")]
+    path.write_text("".join(json.dumps({"question": q, "answer": a}) + "\n" for q, a in rows))
+    assert data.load_examples(str(path), "train") == [data.Example("q1", "2500"), data.Example("q2", "0.00001"),
+                                                      data.Example("q3", "-400"), data.Example("q6", "72")]
 
 
 def test_jsonl_reader_errors_name_the_problem(tmp_path):
@@ -64,6 +69,13 @@ def test_jsonl_reader_errors_name_the_problem(tmp_path):
     (tmp_path / "bad.jsonl").write_text('{"text": "no question"}\n')
     with pytest.raises(data.DataError, match="no usable rows"):
         data.load_examples(str(tmp_path / "bad.jsonl"), "train")
+    too_long = tmp_path / ("a" * 300 + ".jsonl")  # an OSError of the file system (also: no permission) was a traceback
+    with pytest.raises(data.DataError, match=f"^cannot read dataset file {too_long} \\(File name too long\\); pass a .jsonl "):
+        data.load_examples(str(too_long), "train")
+    rows = [{"question": f"What is {i} + 1?", "answer": i + 1} for i in range(3)]  # trained on its last row alone
+    (tmp_path / "array.jsonl").write_text("[\n" + ",\n".join(map(json.dumps, rows)) + "\n]\n")
+    with pytest.raises(data.DataError, match="is a JSON array; write one JSON object per line"):
+        data.load_examples(str(tmp_path / "array.jsonl"), "train")
 
 
 def test_arith_level_names():
@@ -77,11 +89,12 @@ def test_arith_level_names():
 
 def test_a_malformed_line_in_a_jsonl_dataset_is_skipped_and_reported(tmp_path, caplog):
     path = tmp_path / "train.jsonl"
-    path.write_text('{"question": "1+1?", "answer": "2"}\n{"question": "2+2?", "answ\n\n{"question": "3+3?", "answer": 6}\n')
+    path.write_text('{"question": "1+1?", "answer": "2"}\n{"question": "2+2?", "answ\n\n{"question": "3+3?", "answer": 6}\n'
+                    + '{"question": "big", "answer": ' + "9" * 5000 + '}\n' + "[" * 100_000 + "\n")  # these two: tracebacks
     with caplog.at_level(logging.INFO, logger="pods"):
         examples = data.load_examples(str(path), "train")
     assert [e.answer for e in examples] == ["2", "6"]
-    assert "skipped 1 unusable line(s)" in caplog.text and "first at line 2" in caplog.text
+    assert "skipped 3 unusable line(s)" in caplog.text and "first at line 2" in caplog.text
 
 
 def test_hub_unreachable_answers_within_its_limit_though_the_dns_lookup_hangs(monkeypatch):

@@ -499,6 +499,14 @@ def test_an_out_dir_that_cannot_be_a_directory_exits_2_before_the_model_loads(ma
     assert err.startswith(f"error: --out-dir {make_path(tmp_path)}: cannot make a directory there") and "\n" not in err
 
 
+def test_an_out_dir_the_file_system_will_not_look_at_exits_2_in_one_line(tmp_path, capsys, monkeypatch):
+    """A name too long (as root, no permission cannot be shown): Path.exists raised OSError, a traceback with exit 1."""
+    monkeypatch.setattr(train, "load_trainable_policy", lambda *a: pytest.fail("loaded the model first"))
+    out = tmp_path / ("a" * 300)
+    assert train.main(["--out-dir", str(out), "--dataset", "arith"]) == 2
+    assert capsys.readouterr().err == f"error: --out-dir {out}: cannot look there (File name too long); choose another --out-dir\n"
+
+
 def test_a_file_with_no_usable_rows_exits_2(tmp_path, capsys):
     bad = tmp_path / "bad.jsonl"
     bad.write_text('{"prompt": "x"}\n')

@@ -287,7 +287,7 @@ def train(args: Args, world: distributed.World = distributed.World()) -> Path:
     device = "cuda" if torch.cuda.is_available() else "cpu"
     args = config.resolve(args, device, world.size)
     out_dir = Path(args.out_dir)
-    found = checkpoint.find(out_dir) if out_dir.exists() else []
+    found = checkpoint.found_in(out_dir)
     resuming = checkpoint.continues(args.resume, out_dir, found)
     if resuming:
         checkpoint.check_resume_config(out_dir, args, world.size, found[-1])
