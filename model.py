@@ -80,9 +80,15 @@ def missing_path(model: str) -> bool:
 
 
 def check_model_path(model: str) -> None:
-    """SetupError, before anything loads, when `model` can only be a local path and none exists there (missing_path)."""
+    """SetupError, before anything loads, when `model` can only be a local path and none exists there (missing_path),
+    or is a file, or a directory without a model's config.json (which transformers would read as the model)."""
     if missing_path(model):
         raise SetupError(f"{model} does not exist: give a local model directory, a hub name (org/name) or {EMBEDDED!r}")
+    path = Path(model)
+    if model not in ("auto", EMBEDDED) and (path.is_file() or (path.is_dir() and not (path / "config.json").is_file())):
+        what = "a file" if path.is_file() else "a directory without config.json"
+        raise SetupError(f"{model} is {what}, not a model: give a model directory (config.json and weights), a hub name "
+                         f"(org/name) or {EMBEDDED!r}")
 
 
 def local_model_path(model: str) -> str:

@@ -507,6 +507,18 @@ def test_an_out_dir_the_file_system_will_not_look_at_exits_2_in_one_line(tmp_pat
     assert capsys.readouterr().err == f"error: --out-dir {out}: cannot look there (File name too long); choose another --out-dir\n"
 
 
+def test_a_model_path_to_a_file_or_a_folder_without_config_json_exits_2_before_out_dir_is_made(tmp_path, capsys):
+    """It was transformers' "Repo id must be in the form 'repo_name' or 'namespace/repo_name'", after --out-dir was made."""
+    (tmp_path / "weights.bin").write_text("not a model")
+    (tmp_path / "folder").mkdir()
+    for model, what in (("weights.bin", "a file"), ("folder", "a directory without config.json")):
+        out = tmp_path / f"run-{model}"
+        assert train.main(["--model", str(tmp_path / model), "--dataset", "arith", "--out-dir", str(out)]) == 2
+        assert capsys.readouterr().err == (f"error: {tmp_path / model} is {what}, not a model: give a model directory "
+                                           f"(config.json and weights), a hub name (org/name) or 'embedded'\n")
+        assert not out.exists()
+
+
 def test_a_file_with_no_usable_rows_exits_2(tmp_path, capsys):
     bad = tmp_path / "bad.jsonl"
     bad.write_text('{"prompt": "x"}\n')
