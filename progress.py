@@ -143,11 +143,20 @@ def interrupted_line(out_dir: Path) -> str:
 
 
 def out_of_memory_line(out_dir: Path) -> str:
-    """The last line of a run out of memory: what to lower, and how to continue (from its last checkpoint, if any)."""
+    """The last line of a run out of memory: what to lower, what to turn on that the run's config.json shows off
+    (--gradient-checkpointing, on by default on a GPU; with vLLM on a GPU, --vllm-sleep), and how to continue (from
+    its last checkpoint, if any)."""
     saved = checkpoint.find(out_dir) if out_dir.is_dir() else []
     again = f"--resume from the last checkpoint in {out_dir}" if saved else f"run the same command with --resume auto (no checkpoint was saved in {out_dir})"
-    return (f"error: out of memory; lower --micro-batch (or --n, --prompts-per-step, --max-new-tokens) or pass "
-            f"--gradient-checkpointing, then {again}")
+    try:
+        ran = json.loads((out_dir / "config.json").read_text())  # written before the first step
+    except (OSError, ValueError):
+        ran = {}
+    switches = [] if ran.get("gradient_checkpointing") else ["--gradient-checkpointing"]
+    if ran.get("device") == "cuda" and not ran.get("vllm_sleep") and vllm_sampler.uses_vllm(ran.get("backend", "auto"), "cuda"):
+        switches.append("--vllm-sleep")  # vLLM's KV cache freed during the update
+    switch = f" or pass {' or '.join(switches)}" if switches else ""
+    return f"error: out of memory; lower --micro-batch (or --n, --prompts-per-step, --max-new-tokens){switch}, then {again}"
 
 
 STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM)

@@ -1150,6 +1150,19 @@ def test_out_of_memory_in_the_update_ends_with_one_line_and_the_run_continues_as
     assert [r["step"] for r in read_metrics(out)] == [1, 2, 3]
 
 
+def test_the_out_of_memory_line_offers_only_the_switches_the_run_had_off(tmp_path, monkeypatch):
+    """It said "or pass --gradient-checkpointing" on a GPU, where the profile has it on, and never named --vllm-sleep."""
+    monkeypatch.setattr(vllm_sampler, "vllm_available", lambda: True)
+    advice = f"then run the same command with --resume auto (no checkpoint was saved in {tmp_path})"
+    for ran, switch in (({"device": "cuda", "backend": "auto", "gradient_checkpointing": True, "vllm_sleep": False}, " or pass --vllm-sleep"),
+                        ({"device": "cuda", "backend": "hf", "gradient_checkpointing": True}, ""),
+                        ({"device": "cuda", "backend": "vllm", "gradient_checkpointing": True, "vllm_sleep": True}, ""),
+                        ({"device": "cpu", "backend": "vllm", "gradient_checkpointing": False}, " or pass --gradient-checkpointing")):
+        (tmp_path / "config.json").write_text(json.dumps(ran))
+        assert progress.out_of_memory_line(tmp_path) == (f"error: out of memory; lower --micro-batch (or --n, --prompts-per-step, "
+                                                         f"--max-new-tokens){switch}, {advice}")
+
+
 def test_kill_9_of_a_single_process_then_resume_continues_with_each_step_once(tiny_model_dir, tmp_path):
     out = tmp_path / "run"
     script = length_reward_script(tmp_path)
