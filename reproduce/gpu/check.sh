@@ -63,6 +63,7 @@ if [[ -d $WHEELS ]]; then  # prepared by prepare.sh for a machine without the hu
 fi
 card=$(nvidia-smi --query-gpu=name,memory.total --format=csv,noheader 2>/dev/null | head -n 1)
 python3 -c "import torch, sys; sys.exit(not torch.cuda.is_available())" || { echo "check.sh: torch sees no CUDA GPU here; this check needs one"; exit 1; }
+without_vllm=${PYTHONPATH:-}  # the trl stage's: TRL imports the vLLM it finds (its paths for 0.25 never ran on a GPU), which it does not use here
 source "$HERE/carry-vllm/env.sh" 2>/dev/null  # vLLM 0.25.0 where reproduce/gpu/carry-vllm/receive.sh unpacked it (carry-vllm/README.md)
 # found, not imported (importing vLLM takes ~30 s); the vllm stage and the vLLM tests say so where it does not import
 python3 -c "import importlib.util as u, sys; sys.exit(u.find_spec('vllm') is None)" 2>/dev/null && has_vllm=yes || has_vllm=
@@ -112,7 +113,7 @@ for stage in "${stages[@]}"; do
     old)   if [[ -d .gpu/old ]]; then train old .gpu/old --backend hf --n 32 --m 16
            else skip old "no .gpu/old: run prepare.sh with OLD=COMMIT first"; fi ;;
     trl)   model_ready || { skip trl "no model to train (models.log)"; continue; }
-           run_stage trl python3 "$HERE/trl_gpu.py" --model "$model_dir" --dataset "$DATASET" --n 32 \
+           run_stage trl env PYTHONPATH="$without_vllm" python3 "$HERE/trl_gpu.py" --model "$model_dir" --dataset "$DATASET" --n 32 \
              --max-new-tokens "$TOKENS" --steps 3 --out-dir "$WORK/runs/trl" ;;
     grpo)  train grpo . --backend hf --rule none --n 32 ;;
     vllm)  if [[ $has_vllm ]]; then train vllm . --backend vllm --n 32 --m 16; else skip vllm "vLLM does not import here"; fi ;;

@@ -3,6 +3,7 @@ table of the timed stages, steps 2-3 of each, with the ratios of their step time
 
 check.sh runs it last, on the folder where its stages wrote:
     python3 reproduce/gpu/summary.py LOGS > OUT/last_check.txt
+    python3 reproduce/gpu/summary.py LOGS MORE_LOGS ...    # several check.sh calls on one machine, as one table
 LOGS holds env.txt (the header, "key: value" lines), status.txt (a line per stage: name, exit status or
 "skipped", seconds or the reason), tests.log (pytest's output), and for each timed stage STAGE.jsonl (a row
 per step: train.py's metrics.jsonl, or trl_gpu.py's rows with the same keys) and STAGE.log (its last line
@@ -101,26 +102,32 @@ def table(lines: list[list[str]]) -> list[str]:
     return ["  ".join(text.ljust(width) for text, width in zip(line, widths)).rstrip() for line in lines]
 
 
-def summary(logs: Path) -> str:
+def summary(logs: Path, *more: Path) -> str:
+    """The summary of the stages in `logs`, and in `more`, the LOGS of later check.sh calls on the same machine
+    (a stage run in several: the last one's), under the first call's header."""
     env = read_env(read(logs / "env.txt"))
-    status = read_status(read(logs / "status.txt"))
+    status, where = {}, {}  # stage -> its status, and the folder that holds its logs
+    for folder in (logs, *more):
+        found = read_status(read(folder / "status.txt"))
+        status |= found
+        where |= dict.fromkeys(found, folder)
     out = ["GPU check (reproduce/gpu/check.sh)", *(f"{key}: {value}" for key, value in env.items())]
     if "tests" in status:
         out.append(f"tests (pytest -m cuda): {status_text(*status['tests'])}")
-        out += [f"  {line}" for line in outcome_lines(read(logs / "tests.log"))]
+        out += [f"  {line}" for line in outcome_lines(read(where["tests"] / "tests.log"))]
     if "decode" in status:
         out.append(f"decode step (decode_bench.py): {status_text(*status['decode'])}")
-        out += [f"  {line}" for line in read(logs / "decode.log").splitlines() if line.startswith(("decode:", "eval batch:", "kernels", "  "))]
+        out += [f"  {line}" for line in read(where["decode"] / "decode.log").splitlines() if line.startswith(("decode:", "eval batch:", "kernels", "  "))]
     lines = [["stage", "what", "steps", "generation s", "ms/token", "update s", "step s", "peak GiB alloc/reserved",
               "completion len", "sampler gap", "status"]]
     step_s, failures, phases, notes = {}, [], [], []
     for stage, what in ROWS.items():
         if stage not in status:
             continue
-        means = step_means([json.loads(line) for line in read(logs / f"{stage}.jsonl").splitlines()])
+        means = step_means([json.loads(line) for line in read(where[stage] / f"{stage}.jsonl").splitlines()])
         if "step_s" in means:
             step_s[stage] = means["step_s"]
-        log = read(logs / f"{stage}.log")
+        log = read(where[stage] / f"{stage}.log")
         memory = peak(log)
         if split := PHASES.findall(log):
             phases.append(f"{stage} {split[-1][0]} in the update, {split[-1][1]} outside it")
@@ -148,6 +155,6 @@ def summary(logs: Path) -> str:
 
 
 if __name__ == "__main__":
-    if len(sys.argv) != 2:
-        sys.exit("usage: python3 reproduce/gpu/summary.py LOGS   (the folder check.sh's stages wrote)")
-    print(summary(Path(sys.argv[1])), end="")
+    if len(sys.argv) < 2:
+        sys.exit("usage: python3 reproduce/gpu/summary.py LOGS [MORE_LOGS ...]   (the folders check.sh's stages wrote)")
+    print(summary(*map(Path, sys.argv[1:])), end="")

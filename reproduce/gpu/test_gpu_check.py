@@ -80,6 +80,24 @@ def test_summary_sets_the_vllm_stage_beside_pods_and_trl_and_says_its_peak_holds
 
 
 @pytest.mark.pure
+def test_summary_of_two_calls_on_one_machine_is_one_table_under_the_first_calls_header(logs, tmp_path):
+    """The plan for vLLM at 3B: check.sh pods vllm in one call (vLLM last, so it may take what is left), trl in
+    the next; summary.py LOGS LATER_LOGS sets them side by side, a stage in both taken from the later call."""
+    later = tmp_path / "later"
+    later.mkdir()
+    (later / "env.txt").write_text("card: another header, not shown\n")
+    (later / "status.txt").write_text("trl\t0\t200\n")
+    write_stage(later, "trl", [(55.0, 5.0), (50.0, 4.0), (52.0, 4.0)], "CUDA peak allocated 20.00 GiB, reserved 21.00 GiB")
+    lines = summary.summary(logs, later).splitlines()
+    assert "card: NVIDIA H200, 143771 MiB" in lines and "card: another header, not shown" not in lines
+    rows = {line[0]: line[1:] for line in map(lambda line: re.split(r"\s{2,}", line), lines) if line[0] in summary.ROWS}
+    assert rows["trl"] == ["GRPO, TRL GRPOTrainer", "2-3", "51.0", "-", "4.0", "55.0", "20.00 / 21.00", "-", "-", "ok, 200 s"]
+    assert rows["pods"][-1] == "ok, 104 s" and "  1 failed, 5 passed, 1 skipped, 420 deselected in 95.31s (0:01:35)" in lines
+    command = subprocess.run([sys.executable, str(HERE / "summary.py"), str(logs), str(later)], capture_output=True, text=True)
+    assert command.returncode == 0 and command.stdout.splitlines() == lines
+
+
+@pytest.mark.pure
 def test_peak_py_splits_the_peak_at_the_update_and_keeps_the_whole_runs(monkeypatch):
     """peak.PhasePeaks on a stand-in for torch.cuda's one peak counter: over 5 GiB of weights, generation takes 4 GiB
     more, the update 12 and a checkpoint after it 5; the update's peak is its own, the whole run's the larger."""
