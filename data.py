@@ -226,7 +226,7 @@ class PromptStream:
     def __init__(self, examples: list[Example], tokenize, max_tokens: int, seed: int, position: int = 0):
         self.examples, self.tokenize, self.max_tokens = examples, tokenize, max_tokens
         self.seed, self.position = seed, position
-        self.epoch, self.order, self.skipped_in_a_row = -1, [], 0
+        self.epoch, self.order, self.skipped_in_a_row, self.skipped = -1, [], 0, 0
 
     def next_batch(self, size: int) -> list[tuple[list[int], str]]:
         """`size` (prompt token ids, reference answer) pairs."""
@@ -243,9 +243,9 @@ class PromptStream:
                 batch.append((ids, example.answer))
                 self.skipped_in_a_row = 0
                 continue
-            if self.skipped_in_a_row == 0:
-                log.info("skipping prompts longer than --max-prompt-tokens %d (this one: %d tokens)", self.max_tokens, len(ids))
-            self.skipped_in_a_row += 1
+            if self.skipped == 0:  # once: it came at every prompt kept after one skipped, above the progress bar
+                log.info("skipping prompts longer than --max-prompt-tokens %d (this one: %d tokens; said once)", self.max_tokens, len(ids))
+            self.skipped_in_a_row, self.skipped = self.skipped_in_a_row + 1, self.skipped + 1
             if self.skipped_in_a_row >= len(self.examples):
                 raise DataError(f"every prompt is longer than --max-prompt-tokens {self.max_tokens}; raise it")
         return batch

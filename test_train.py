@@ -591,11 +591,13 @@ def test_prompt_stream_is_a_permutation_per_epoch_and_resumable():
     assert [p[1] for p in resumed.next_batch(4)] == later
 
 
-def test_prompt_stream_skips_prompts_over_the_token_limit_and_says_so_when_none_fits():
+def test_prompt_stream_skips_prompts_over_the_token_limit_and_says_so_when_none_fits(caplog):
     examples = [data.Example(str(i), str(i)) for i in range(6)]
     stream = data.PromptStream(examples, lambda question: [0] * int(question), max_tokens=2, seed=0)  # "i" is i tokens long
-    drawn = [answer for _, answer in stream.next_batch(6)]
+    with caplog.at_level(logging.INFO, logger="pods"):
+        drawn = [answer for _, answer in stream.next_batch(6)]
     assert sorted(drawn) == ["0", "0", "1", "1", "2", "2"] and stream.position == 12  # two epochs, the long half skipped
+    assert caplog.text.count("skipping prompts longer than --max-prompt-tokens 2") == 1  # said after every prompt kept
     with pytest.raises(data.DataError, match="every prompt is longer than --max-prompt-tokens 5; raise it"):
         data.PromptStream(examples[3:], lambda question: [0] * 9, max_tokens=5, seed=0).next_batch(1)
 
