@@ -124,8 +124,11 @@ def find_targets(path: str) -> tuple[str, list[Target], Path | None]:
 
 
 def target_of(path: Path) -> Target:
+    """A checkpoint at its step and training time (its trainer_state.json); an adapter from elsewhere, without one, at 0."""
     checkpoint.check_adapter(path)  # before any model loads: a damaged checkpoint stops here, in one line
     state_file = path / "trainer_state.json"
+    if not state_file.exists() and path.name.startswith("checkpoint-"):  # train.py's, in part: at 0 it would be a wrong point
+        raise EvalError(f"{path} has no trainer_state.json, so its step and training time are unknown; copy the checkpoint again")
     state = plot.read_json(state_file, "copy the checkpoint again") if state_file.exists() else {}
     return Target(path.name, path, state.get("step", 0), state.get("elapsed_s", 0.0))
 

@@ -174,6 +174,16 @@ def test_eval_defaults_to_the_runs_generation_settings_and_redoes_retrained_chec
     assert (run / "checkpoint-1" / "eval-arith.json").exists()  # one checkpoint: results beside it
 
 
+def test_eval_refuses_a_checkpoint_without_its_step_and_time(tiny_run, tmp_path, capsys):
+    """It was evaluated at step 0 and time 0 without a word; into the run's results (--out), in place of its own row."""
+    lone = tmp_path / "checkpoint-2"
+    shutil.copytree(tiny_run / "checkpoint-2", lone)
+    (lone / "trainer_state.json").unlink()
+    assert evaluation.main([str(lone), "--dataset", "arith", "--limit", "2", "--out", str(tiny_run / "eval-arith.json")]) == 2
+    assert capsys.readouterr().err == (f"error: {lone} has no trainer_state.json, so its step and training time are unknown; "
+                                       f"copy the checkpoint again\n")
+
+
 def test_eval_refuses_results_made_with_other_settings(tiny_run, capsys):
     argv = [str(tiny_run), "--dataset", "arith", "--limit", "3", "--repeats", "2", "--max-new-tokens", "4", "--out", str(tiny_run / "other.json")]
     assert evaluation.main(argv) == 0
