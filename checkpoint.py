@@ -113,17 +113,24 @@ def load(path: Path, model, optimizer, scheduler, rng: np.random.Generator,
         saved = torch.load(path / "training_state.pt", map_location="cpu", weights_only=False)
     except (OSError, RuntimeError, EOFError, pickle.UnpicklingError) as err:  # a file cut short, or another file in its place
         raise unreadable(path, "training_state.pt", err) from None
-    optimizer.load_state_dict(saved["optimizer"])
-    scheduler.load_state_dict(saved["scheduler"])
-    if "random_states" in saved:
-        set_random_state(saved["random_states"][world.rank], rng)
-    else:  # written by train.py before torchrun support: one process's states, under other names
-        cuda = saved.get("cuda_rng")
-        set_random_state({"torch": saved["torch_rng"], "numpy": saved["numpy_rng"], "cuda": cuda[0] if cuda else None}, rng)
     try:
-        return json.loads((path / "trainer_state.json").read_text())
+        optimizer.load_state_dict(saved["optimizer"])
+        scheduler.load_state_dict(saved["scheduler"])
+        if "random_states" in saved:
+            set_random_state(saved["random_states"][world.rank], rng)
+        else:  # written by train.py before torchrun support: one process's states, under other names
+            cuda = saved.get("cuda_rng")
+            set_random_state({"torch": saved["torch_rng"], "numpy": saved["numpy_rng"], "cuda": cuda[0] if cuda else None}, rng)
+    except (KeyError, IndexError, TypeError, ValueError) as err:  # a file that loads, but not train.py's states
+        raise unreadable(path, "training_state.pt", ValueError(f"not the states train.py saves: {type(err).__name__} {err}")) from None
+    try:
+        state = json.loads((path / "trainer_state.json").read_text())
     except (OSError, UnicodeDecodeError, ValueError) as err:
         raise unreadable(path, "trainer_state.json", err) from None
+    if not (isinstance(state, dict) and all(isinstance(state.get(key), kind) and not isinstance(state[key], bool)
+                                            for key, kind in (("step", int), ("elapsed_s", (int, float)), ("data_position", int)))):
+        raise unreadable(path, "trainer_state.json", ValueError("not a step, elapsed_s and data_position that are numbers"))
+    return state
 
 
 def set_random_state(mine: dict, rng: np.random.Generator) -> None:
@@ -143,7 +150,15 @@ def load_adapter(path: Path, model) -> None:
     from safetensors.torch import load_file
 
     check_adapter(path)
-    set_peft_model_state_dict(distributed.unwrap(model), load_file(path / "adapter_model.safetensors"))
+    try:
+        loaded = set_peft_model_state_dict(distributed.unwrap(model), load_file(path / "adapter_model.safetensors"))
+    except RuntimeError as err:  # "size mismatch for ...lora_A...": another LoRA rank, or another model's adapter
+        detail = next((line.strip() for line in str(err).splitlines() if "size mismatch" in line), str(err))
+        raise unreadable(path, "adapter_model.safetensors", ValueError(f"not this model's adapter: {detail}")) from None
+    missing = [key for key in loaded.missing_keys if "lora_" in key]
+    if missing or loaded.unexpected_keys:  # strict=False above: a file of other weights loaded nothing, silently
+        raise unreadable(path, "adapter_model.safetensors", ValueError(
+            f"not this model's adapter: {len(missing)} of its LoRA weights missing, {len(loaded.unexpected_keys)} others there"))
 
 
 def check_adapter(path: Path) -> None:
@@ -187,7 +202,7 @@ def read_rows(path: Path) -> list[dict]:
     rows, bad = [], []
     for number, line in lines:
         row = parse_row(line)
-        if isinstance(row, dict) and {"step", "elapsed_s"} <= row.keys():
+        if isinstance(row, dict) and type(row.get("step")) is int and type(row.get("elapsed_s")) in (int, float):
             rows.append(row)
         elif row is not None or number != lines[-1][0]:  # (not the last line cut short by a crash)
             bad.append(number)
@@ -240,8 +255,9 @@ def check_resume_config(out_dir: Path, args, world_size: int = 1, resumed_from: 
     whose defaults are float32) or of a RETUNABLE setting (e.g. a lower --lr after non-finite updates:
     take_optimizer_settings) is allowed, with a warning; compared with the settings at `resumed_from` (settings_at)."""
     path = out_dir / "config.json"
-    if not path.exists():
-        return
+    if not path.exists():  # a checkpoint copied without it: nothing to check a changed --n or --lora-rank against
+        raise config.UsageError(f"--resume: {out_dir} holds checkpoints but no config.json, the run's settings a resume must "
+                                f"match; copy it from the run too")
     saved = {"uniform_groups": "keep"} | json.loads(path.read_text())  # a run from before --uniform-groups kept them
     if resumed_from is not None:  # the settings as they were at the checkpoint it continues from
         saved = settings_at(saved, int(resumed_from.name.split("-")[-1]))

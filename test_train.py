@@ -850,11 +850,11 @@ def test_metrics_rows_leave_out_a_last_line_cut_short_and_name_any_other_line_th
     path.write_text("".join(json.dumps(r) + "\n" for r in rows) + "\n" + '{"step": 3, "ela\n\n')
     with caplog.at_level(logging.WARNING, logger="pods"):
         assert checkpoint.read_rows(path) == rows and caplog.text == ""
-        for bad in ("garbage", "[1, 2]", '{"step": 2}'):
+        for bad in ("garbage", "[1, 2]", '{"step": 2}', '{"step": "x", "elapsed_s": 1}'):  # the last: a TypeError on resume
             path.write_text(json.dumps(rows[0]) + "\n" + bad + "\n" + json.dumps(rows[1]) + "\n")
             checkpoint.drop_rows_after(path, 1)
             assert path.read_text() == json.dumps(rows[0]) + "\n"
-    assert caplog.text.count("left out 1 line(s) that are not metrics rows (JSON with step and elapsed_s), first at line 2") == 3
+    assert caplog.text.count("left out 1 line(s) that are not metrics rows (JSON with step and elapsed_s), first at line 2") == 4
 
 
 @pytest.mark.parametrize("flag", [["--m", "8"], ["--steps=3"], ["--uniform-groups", "skip"], ["--time-budget", "bogus"]])
@@ -1080,6 +1080,44 @@ def test_a_damaged_checkpoint_stops_resume_in_one_line_and_resume_goes_on_once_i
     shutil.rmtree(out / "checkpoint-2")
     assert train.main(tiny_args(tiny_model_dir, out, "--steps", "2", "--resume")) == 0
     assert [r["step"] for r in read_metrics(out)] == [1, 2]
+
+
+def test_a_checkpoint_file_of_other_contents_stops_resume_in_one_line(tiny_model_dir, tmp_path, capsys, length_rewards):
+    """Files that load but are not what train.py saved: trainer_state.json with a step of another type or another
+    shape (TypeError, KeyError), training_state.pt with other states (KeyError), an adapter of another LoRA rank
+    (a traceback of size mismatches); an adapter of other weights resumed silently with a fresh LoRA."""
+    from safetensors.torch import load_file, save_file
+
+    def wider(path):  # as another --lora-rank would save it
+        save_file({k: torch.zeros(v.shape[0] + 1, *v.shape[1:]) for k, v in load_file(str(path)).items()}, str(path))
+
+    run = tmp_path / "run"
+    assert train.main(tiny_args(tiny_model_dir, run, "--steps", "2", "--save-every-steps", "1")) == 0
+    for name, replace in (("trainer_state.json", lambda path: path.write_text('{"step": "2", "elapsed_s": 1.0, "data_position": 4}')),
+                          ("trainer_state.json", lambda path: path.write_text("[2]")),
+                          ("training_state.pt", lambda path: torch.save({"x": 1}, path)),
+                          ("adapter_model.safetensors", wider),
+                          ("adapter_model.safetensors", lambda path: save_file({"other": torch.zeros(2)}, str(path)))):
+        out = tmp_path / "copy"
+        shutil.rmtree(out, ignore_errors=True)
+        shutil.copytree(run, out)
+        replace(out / "checkpoint-2" / name)
+        capsys.readouterr()
+        assert train.main(tiny_args(tiny_model_dir, out, "--steps", "3", "--resume")) == 1, name
+        err = capsys.readouterr().err.strip().splitlines()
+        assert err[-1].startswith(f"error: {out / 'checkpoint-2' / name} cannot be read (") and "Traceback" not in "".join(err)
+
+
+def test_resume_of_checkpoints_copied_without_the_runs_config_json_is_refused(tiny_model_dir, tmp_path, capsys, length_rewards):
+    """Without config.json no setting was checked: --n 4 -> 6 trained on, another --lora-rank ended in a traceback."""
+    run = tmp_path / "run"
+    assert train.main(tiny_args(tiny_model_dir, run, "--steps", "1")) == 0
+    (tmp_path / "lone").mkdir()
+    shutil.copytree(run / "checkpoint-1", tmp_path / "lone" / "checkpoint-1")
+    capsys.readouterr()
+    assert train.main(tiny_args(tiny_model_dir, tmp_path / "lone", "--steps", "2", "--resume")) == 2
+    assert capsys.readouterr().err == (f"error: --resume: {tmp_path / 'lone'} holds checkpoints but no config.json, the run's "
+                                       f"settings a resume must match; copy it from the run too\n")
 
 
 def test_a_second_ctrl_c_quits_without_saving(tiny_model_dir, tmp_path, monkeypatch, capsys, length_rewards):
