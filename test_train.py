@@ -1108,6 +1108,15 @@ def test_a_checkpoint_file_of_other_contents_stops_resume_in_one_line(tiny_model
         assert err[-1].startswith(f"error: {out / 'checkpoint-2' / name} cannot be read (") and "Traceback" not in "".join(err)
 
 
+def test_a_resume_with_more_steps_keeps_the_runs_warm_up(tiny_model_dir, tmp_path, length_rewards):
+    """The warm-up was ceil(warmup_ratio x --steps) of each command: a run of 2 steps at ratio 1, warmed up at step 2,
+    resumed with --steps 4 went back into a warm-up of 4 steps, its learning rate 0.75x at step 3 without a word."""
+    out = tmp_path / "run"
+    assert train.main(tiny_args(tiny_model_dir, out, "--steps", "2", "--warmup-ratio", "1")) == 0
+    assert train.main(tiny_args(tiny_model_dir, out, "--steps", "4", "--warmup-ratio", "1", "--resume")) == 0
+    assert [row["lr"] for row in read_metrics(out)] == pytest.approx([0.5e-2, 1e-2, 1e-2, 1e-2])  # the first run's 2 warm-up steps
+
+
 def test_resume_of_checkpoints_copied_without_the_runs_config_json_is_refused(tiny_model_dir, tmp_path, capsys, length_rewards):
     """Without config.json no setting was checked: --n 4 -> 6 trained on, another --lora-rank ended in a traceback."""
     run = tmp_path / "run"

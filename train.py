@@ -80,7 +80,7 @@ class Args:
     weight_decay: float = arg(0.1, "AdamW weight decay")
     max_grad_norm: float = arg(0.1, "gradient clipping norm")
     max_skipped_steps: int = arg(3, "stop, saving the last good weights, after this many updates in a row with a non-finite loss or gradient")
-    warmup_ratio: float = arg(0.01, "linear warm-up over this share of --steps, then constant")
+    warmup_ratio: float = arg(0.01, "linear warm-up over this share of the run's first --steps, then constant")
     lora_rank: int | None = arg(None, "LoRA rank on all attention and MLP projections [GPU 64, CPU 16]")
     lora_alpha: int | None = arg(None, "LoRA alpha [GPU 64, CPU 32]")
     micro_batch: int | None = arg(None, "rollouts per forward/backward pass; gradients accumulate over the kept rollouts [GPU 4, CPU 8]")
@@ -310,10 +310,10 @@ def train(args: Args, world: distributed.World = distributed.World()) -> Path:
         rng = np.random.default_rng(args.seed + world.rank)  # when it starts); each rank samples its own rollouts
         optimizer = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=args.lr,
                                       betas=(args.adam_beta1, args.adam_beta2), weight_decay=args.weight_decay)
-        warmup = max(1, math.ceil(args.warmup_ratio * args.steps))
-        scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: min(1.0, (s + 1) / warmup))
+        state = {"step": 0, "elapsed_s": 0.0, "data_position": 0, "first_steps": args.steps}  # resumed: the checkpoint's
+        warmup = lambda: max(1, math.ceil(args.warmup_ratio * state.get("first_steps", args.steps)))  # the run's first --steps':
+        scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: min(1.0, (s + 1) / warmup()))  # more keep its length
 
-        state = {"step": 0, "elapsed_s": 0.0, "data_position": 0}
         metrics_path = out_dir / "metrics.jsonl"
         if resuming:
             resume_from = distributed.from_main(found[-1], world)  # every rank loads the one rank 0 found
