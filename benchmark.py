@@ -121,7 +121,7 @@ def benchmark(args: train.Args, repeats: int = 2) -> list[dict]:
     model_name = models.pick_model(args.model, device)
     model, tokenizer = models.load_trainable_policy(model_name, device, args.lora_rank, args.lora_alpha, args.bf16_weights,
                                                     args.gradient_checkpointing, args.bf16_autocast)
-    found = checkpoint.find(Path(args.out_dir)) if args.resume != "no" and Path(args.out_dir).exists() else []
+    found = checkpoint.found_in(Path(args.out_dir)) if args.resume != "no" else []
     if args.resume == "yes" and not found:
         raise config.UsageError(f"--resume: no checkpoint-STEP directory in {args.out_dir}")
     if found:  # a trained policy: the adapter of --out-dir's last checkpoint, on the model and LoRA shape it trained

@@ -20,6 +20,7 @@ from __future__ import annotations
 import contextlib
 import json
 import logging
+import math
 import os
 import pickle
 import random
@@ -53,6 +54,11 @@ def find(out_dir: Path, needs: tuple[str, ...] = CHECKPOINT_FILES) -> list[Path]
     for p in sorted(set(found) - set(complete)):
         log.warning("%s is incomplete (it lacks %s): not used", p, ", ".join(n for n in needs if not (p / n).is_file()))
     return sorted(complete, key=lambda p: int(p.name.split("-")[-1]))
+
+
+def is_number(value, kind: type | tuple[type, ...]) -> bool:
+    """A finite number of `kind`, as JSON files read back (their true and false are no numbers)."""
+    return isinstance(value, kind) and not isinstance(value, bool) and math.isfinite(value)
 
 
 def found_in(out_dir: Path) -> list[Path]:
@@ -127,7 +133,7 @@ def load(path: Path, model, optimizer, scheduler, rng: np.random.Generator,
         state = json.loads((path / "trainer_state.json").read_text())
     except (OSError, UnicodeDecodeError, ValueError) as err:
         raise unreadable(path, "trainer_state.json", err) from None
-    if not (isinstance(state, dict) and all(isinstance(state.get(key), kind) and not isinstance(state[key], bool)
+    if not (isinstance(state, dict) and all(is_number(state.get(key), kind)
                                             for key, kind in (("step", int), ("elapsed_s", (int, float)), ("data_position", int)))):
         raise unreadable(path, "trainer_state.json", ValueError("not a step, elapsed_s and data_position that are numbers"))
     return state
@@ -202,7 +208,7 @@ def read_rows(path: Path) -> list[dict]:
     rows, bad = [], []
     for number, line in lines:
         row = parse_row(line)
-        if isinstance(row, dict) and type(row.get("step")) is int and type(row.get("elapsed_s")) in (int, float):
+        if isinstance(row, dict) and is_number(row.get("step"), int) and is_number(row.get("elapsed_s"), (int, float)):
             rows.append(row)
         elif row is not None or number != lines[-1][0]:  # (not the last line cut short by a crash)
             bad.append(number)

@@ -137,14 +137,9 @@ def row_problem(row) -> str | None:
     if not isinstance(row.get("checkpoint"), str):
         return "without a checkpoint name"
     for key, kind in (("step", int), ("elapsed_s", (int, float)), ("accuracy", (int, float))):
-        if not is_number(row.get(key), kind):
+        if not checkpoint.is_number(row.get(key), kind):
             return f"whose {key} is not a number"
     return None
-
-
-def is_number(value, kind: type | tuple[type, ...]) -> bool:
-    """A finite number of `kind` (JSON's true and false are no numbers)."""
-    return isinstance(value, kind) and not isinstance(value, bool) and math.isfinite(value)
 
 
 # What the settings of one comparison share: the model and the task (other ones are refused), the objective and
