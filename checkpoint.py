@@ -188,6 +188,13 @@ def unreadable(path: Path, name: str, err: Exception) -> CheckpointError:
                            f"(eval.py then leaves it out, and --resume continues from the checkpoint before it)")
 
 
+def metrics_line(row: dict) -> str:
+    """One metrics.jsonl line. A value that is not finite (a skipped update's loss) is written as null: JSON has no
+    NaN or Infinity, and jq, JavaScript and pandas' strict readers stop at Python's `NaN`."""
+    finite = {key: None if isinstance(value, float) and not math.isfinite(value) else value for key, value in row.items()}
+    return json.dumps(finite, allow_nan=False) + "\n"
+
+
 def parse_row(line: str) -> dict | None:
     """One metrics.jsonl row; None for a line cut short by a crash."""
     try:
@@ -220,7 +227,7 @@ def read_rows(path: Path) -> list[dict]:
 
 def drop_rows_after(path: Path, step: int) -> None:
     """On resume: keep the metrics rows up to the checkpoint's step; the steps after it run again."""
-    write_atomic(path, "".join(json.dumps(r) + "\n" for r in read_rows(path) if r["step"] <= step))
+    write_atomic(path, "".join(metrics_line(r) for r in read_rows(path) if r["step"] <= step))
 
 
 def write_atomic(path: Path, text: str) -> None:

@@ -115,7 +115,7 @@ def write_row(metrics_file, row: dict) -> None:
     """Append one metrics.jsonl row. A failed write (a full disk) is logged, not raised, so that the
     step's checkpoint is still attempted; a resumed run rewrites the file up to its checkpoint."""
     try:
-        metrics_file.write(json.dumps(row) + "\n")
+        metrics_file.write(checkpoint.metrics_line(row))
         metrics_file.flush()
     except OSError as err:
         log.warning("could not write metrics row %d (%s); training goes on", row["step"], err)

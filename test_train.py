@@ -857,6 +857,15 @@ def test_metrics_rows_leave_out_a_last_line_cut_short_and_name_any_other_line_th
     assert caplog.text.count("left out 1 line(s) that are not metrics rows (JSON with step and elapsed_s), first at line 2") == 4
 
 
+def test_metrics_rows_are_strict_json_and_a_nan_written_by_older_code_is_rewritten_as_null_on_resume(tmp_path):
+    """A skipped update's loss was written as Python's NaN, which jq and JavaScript refuse; it is null now."""
+    path = tmp_path / "metrics.jsonl"
+    path.write_text('{"step": 1, "elapsed_s": 1.0, "loss": NaN, "grad_norm": Infinity, "skipped": 1}\n{"step": 2, "elapsed_s": 2.0}\n')
+    checkpoint.drop_rows_after(path, 1)
+    assert path.read_text() == '{"step": 1, "elapsed_s": 1.0, "loss": null, "grad_norm": null, "skipped": 1}\n'
+    assert checkpoint.metrics_line({"step": 2, "loss": float("-inf"), "kl": 0.5}) == '{"step": 2, "loss": null, "kl": 0.5}\n'
+
+
 @pytest.mark.parametrize("flag", [["--m", "8"], ["--steps=3"], ["--uniform-groups", "skip"], ["--time-budget", "bogus"]])
 def test_benchmark_refuses_train_flags_it_would_ignore_in_one_line(flag, capsys):
     """benchmark.py reads train.py's flags, but --m, --steps, --uniform-groups and the like were ignored without a word
@@ -942,7 +951,8 @@ def test_a_non_finite_update_is_skipped_leaving_weights_and_optimizer_state_and_
     with caplog.at_level(logging.INFO, logger="pods"):
         assert train.main(tiny_args(tiny_model_dir, out, "--steps", "3", "--save-every-steps", "1")) == 0
     rows = read_metrics(out)
-    assert [r["skipped"] for r in rows] == [0, 1, 0] and math.isnan(rows[1]["loss"])
+    assert [r["skipped"] for r in rows] == [0, 1, 0] and rows[1]["loss"] is None  # JSON null, not NaN
+    assert "NaN" not in (out / "metrics.jsonl").read_text()
     assert "step 2: non-finite loss (nan) or gradient norm (nan): update skipped" in caplog.text
     after_1, after_2, after_3 = (load_file(out / f"checkpoint-{s}" / "adapter_model.safetensors") for s in (1, 2, 3))
     assert all(torch.equal(after_1[k], after_2[k]) for k in after_1)  # step 2 changed nothing
