@@ -87,13 +87,15 @@ def max_variance_downsample(rewards, m: int) -> list[int]:
     The code is the proof: sort once, then for each k the candidate is sorted[:m-k] (lowest)
     plus sorted[n-k:] (highest). Prefix sums of r and r^2 give each candidate's variance
     E[r^2] - E[r]^2 in O(1). Rewards are centred first, which leaves every variance unchanged
-    and keeps that difference accurate.
+    and keeps that difference accurate, and scaled to at most 1 in size, which scales every variance
+    alike and keeps r^2 in float range (rewards of 1e200 or 1e-200 picked wrong subsets before).
     """
     r = _rewards_array(rewards)
     n = len(r)
     _check_m(m, n)
     order = np.argsort(r, kind="stable")  # ascending; equal rewards keep index order
     x = r[order] - r.mean()
+    x = x / max(np.abs(x).max(), np.finfo(np.float64).tiny)  # (all equal: x is all 0, and stays so)
     s1 = np.concatenate(([0.0], np.cumsum(x)))  # s1[j] = sum of the j lowest
     s2 = np.concatenate(([0.0], np.cumsum(x * x)))
     k = np.arange(m + 1)  # number taken from the top

@@ -74,6 +74,15 @@ def test_max_variance_is_stable_under_large_offsets():
     assert sorted((r[kept] - 1e9).tolist()) == [0.0, 0.0, 1.0, 1.0]
 
 
+def test_max_variance_picks_the_same_subset_at_any_reward_scale():
+    """A user's reward of 1e200 overflowed r^2 and one of 1e-200 underflowed it: both kept [0, 3], not [0, 2]."""
+    r = np.array([0.0, 1.0, 2.0, 0.5, 1.5, 0.25])
+    for m in range(1, 7):
+        expected = pods.max_variance_downsample(r, m)
+        assert all(pods.max_variance_downsample(r * scale, m) == expected for scale in (1e200, 1e-200, 1e-310, 1e300))
+    assert pods.max_variance_downsample([1e308, -1e308, 0.0, 5.0], 2) == [0, 1]
+
+
 def test_ties_are_broken_by_index_and_smallest_k():
     assert pods.max_variance_downsample([0.5, 0.5, 0.5, 0.5], 2) == [0, 1]
     assert pods.max_reward_downsample([1, 0, 1, 1], 2) == [0, 2]
