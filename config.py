@@ -35,6 +35,7 @@ PROFILES = {
                 gradient_checkpointing=False, bf16_autocast=True, bf16_weights=False, merged_sampler=True, share_prompt=True),
 }
 BFLOAT16_FLAGS = ("bf16_autocast",)  # off in the CPU profile where the CPU emulates bfloat16 (the merged copy is then float32)
+VLLM_FLAGS = ("gpu_memory_utilization", "vllm_kv_cache_gb", "vllm_enforce_eager", "vllm_sleep")  # refused where vLLM is not used
 PRECISION_FLAGS = (*BFLOAT16_FLAGS, "merged_sampler", "bf16_weights", "cuda_graph")  # --resume warns when they change (rounding)
 
 
@@ -157,6 +158,9 @@ def resolve(args, device: str, world_size: int = 1):
     vllm_sampler.check_vllm_memory_flags(args.gpu_memory_utilization, args.vllm_kv_cache_gb)
     if args.vllm_sleep and device != "cuda":
         raise UsageError("--vllm-sleep needs a GPU: vLLM has no sleep mode on a CPU (it frees GPU memory for the update)")
+    defaults = {f.name: f.default for f in dataclasses.fields(args)}
+    vllm_sampler.check_vllm_flags_used(args.backend, device, [f"--{name.replace('_', '-')}" for name in VLLM_FLAGS
+                                                               if getattr(args, name) != defaults[name]])
     return args
 
 

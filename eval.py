@@ -289,7 +289,10 @@ def make_vllm_sampler(model_path: str, tokenizer, prompts: list[list[int]], adap
     from transformers import AutoConfig
 
     context = getattr(AutoConfig.from_pretrained(model_path), "max_position_embeddings", None)
-    lora_rank = json.loads((adapters[0] / "adapter_config.json").read_text())["r"] if adapters else 8  # 8: any rank vLLM allows
+    for adapter in adapters:  # refused now, not at its first generate call (the base model's evaluation done)
+        if problem := vllm_sampler.adapter_problem(adapter):
+            raise EvalError(f"vLLM cannot serve {adapter}: it has {problem}; pass --backend hf")
+    lora_rank = max(map(vllm_sampler.adapter_rank, adapters), default=8)  # 8: any rank vLLM allows
     return vllm_sampler.VLLMSampler(
         model_path=model_path, tokenizer=tokenizer, max_new_tokens=settings.max_new_tokens,
         temperature=settings.temperature, lora_rank=lora_rank,
@@ -349,6 +352,7 @@ def default_dataset(trained: dict) -> str:
 EVALUATION_FLAGS = ("limit", "samples", "repeats", "temperature", "max_new_tokens", "seed", "backend", "gpu_memory_utilization",
                     "vllm_kv_cache_gb", "enforce_eager", "force")
 PLOT_FLAGS = ("baseline", "target_frac")
+VLLM_FLAGS = ("gpu_memory_utilization", "vllm_kv_cache_gb", "enforce_eager")
 
 
 def check_flags_apply(args, parser) -> None:
@@ -436,6 +440,8 @@ def main(argv: list[str] | None = None) -> int:
         if not 0 < args.temperature < math.inf:  # (NaN too)
             raise EvalError(f"--temperature {args.temperature} must be a number > 0: repeats measure sampling variation")
         vllm_sampler.check_vllm_memory_flags(args.gpu_memory_utilization, args.vllm_kv_cache_gb)
+        vllm_sampler.check_vllm_flags_used(args.backend, "cuda" if torch.cuda.is_available() else "cpu",
+                                           [f"--{name.replace('_', '-')}" for name in VLLM_FLAGS if getattr(args, name) != parser.get_default(name)])
         settings = Settings(dataset, parse_limit(args.limit, dataset), args.samples, args.repeats, args.temperature,
                             args.max_new_tokens, args.seed, precision=generation_precision(args.backend))
         options = VLLMOptions(args.gpu_memory_utilization, args.vllm_kv_cache_gb, args.enforce_eager)

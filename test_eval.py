@@ -645,6 +645,33 @@ def test_eval_with_vllm_on_a_gpu_seeds_each_repeat_and_takes_the_memory_flags(ti
     assert sampler.seeds == [7, 8] * 3  # seed + repeat, the same for every checkpoint
 
 
+def test_eval_refuses_vllm_flags_where_transformers_generates(tiny_run, tmp_path, capsys):
+    assert evaluation.main(vllm_argv(tiny_run, tmp_path / "eval.json", "--backend", "hf", "--vllm-kv-cache-gb", "2", "--enforce-eager")) == 2
+    assert capsys.readouterr().err == ("error: --vllm-kv-cache-gb, --enforce-eager set vLLM, which this run does not use "
+                                       "(--backend hf); leave them out\n")
+
+
+def test_eval_with_vllm_refuses_an_adapter_vllm_cannot_serve_before_its_engine_starts(tiny_run, tmp_path, fake_vllm, monkeypatch, capsys):
+    """A DoRA adapter ended in vLLM's ValueError traceback at its first generate call, after the base model's evaluation."""
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    run = tmp_path / "run"
+    shutil.copytree(tiny_run, run)
+    adapter_config = run / "checkpoint-2" / "adapter_config.json"
+    adapter_config.write_text(json.dumps(json.loads(adapter_config.read_text()) | {"use_dora": True}))
+    assert evaluation.main(vllm_argv(run, tmp_path / "eval.json", "--backend", "vllm")) == 2
+    assert capsys.readouterr().err == f"error: vLLM cannot serve {run / 'checkpoint-2'}: it has DoRA (use_dora); pass --backend hf\n"
+    assert not fake_vllm  # no engine started
+
+
+def test_an_adapters_rank_for_vllm_is_its_largest_and_what_vllm_refuses_is_named(tmp_path):
+    (tmp_path / "adapter_config.json").write_text(json.dumps({"r": 8, "rank_pattern": {"q_proj": 32}, "bias": "none"}))
+    assert (vllm_sampler.adapter_rank(tmp_path), vllm_sampler.adapter_problem(tmp_path)) == (32, None)
+    for config, problem in (({"r": 8, "bias": "lora_only"}, "trained biases (bias 'lora_only')"),
+                            ({"r": 8, "modules_to_save": ["lm_head"]}, "fully trained modules (modules_to_save ['lm_head'])")):
+        (tmp_path / "adapter_config.json").write_text(json.dumps(config))
+        assert vllm_sampler.adapter_problem(tmp_path) == problem
+
+
 def test_eval_vllm_max_model_len_is_the_longest_prompt_plus_max_new_tokens_within_the_context():
     prompts = [[1] * 10, [1] * 30, [1] * 50]
     assert evaluation.vllm_max_model_len(prompts, 20, context=70) == 70

@@ -721,6 +721,10 @@ def test_a_checkpoint_restores_numpys_and_pythons_global_generators(tiny_model_d
 @pytest.mark.parametrize("argv, message", [
     (["--vllm-sleep"], "--vllm-sleep needs a GPU: vLLM has no sleep mode on a CPU"),
     (["--tis-cap", "0.5"], "--tis-cap 0.5 must be 0 (off) or >= 1"),
+    # vLLM's flags where transformers generates were ignored without a word
+    (["--vllm-enforce-eager"], "--vllm-enforce-eager set vLLM, which this run does not use (--backend auto uses vLLM on a GPU only"),
+    (["--backend", "hf", "--gpu-memory-utilization", "0.5", "--vllm-kv-cache-gb", "1"],
+     "--gpu-memory-utilization, --vllm-kv-cache-gb set vLLM, which this run does not use (--backend hf); leave them out"),
 ])
 def test_gpu_only_flags_on_a_cpu_exit_2_with_one_line(argv, message, tmp_path, capsys):
     assert train.main(["--out-dir", str(tmp_path / "run"), *argv]) == 2

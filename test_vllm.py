@@ -352,6 +352,19 @@ def test_vllm_start_error_becomes_one_line_naming_the_flag():
     err = str(vllm_sampler.vllm_start_error(unknown, 0.3, None))
     assert err.startswith("vLLM could not start: vLLM does not run this model's architecture; use --backend hf (vLLM said: "
                           "Model architectures ['MambaLMHeadModel'] are not supported for now.") and len(err) < 340
+    no_lora = ValueError("MambaForCausalLM does not support LoRA yet.")  # a model vLLM runs, but serves no adapter on
+    assert str(vllm_sampler.vllm_start_error(no_lora, 0.3, None)) == (
+        "vLLM could not start: vLLM serves no LoRA adapter on this model's architecture; use --backend hf "
+        "(vLLM said: MambaForCausalLM does not support LoRA yet.)")
+
+
+def test_vllm_flags_where_vllm_is_not_installed_are_refused_naming_the_install(monkeypatch):
+    monkeypatch.setattr(vllm_sampler, "vllm_available", lambda: False)
+    vllm_sampler.check_vllm_flags_used("auto", "cuda", [])  # none given: transformers generates, no word
+    with pytest.raises(models.SetupError) as err:
+        vllm_sampler.check_vllm_flags_used("auto", "cuda", ["--vllm-sleep"])
+    assert str(err.value) == ("--vllm-sleep set vLLM, which this run does not use (vLLM is not installed: "
+                              "pip install -r requirements-gpu.txt); leave it out")
 
 
 @pytest.mark.vllm

