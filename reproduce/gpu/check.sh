@@ -68,7 +68,7 @@ source "$HERE/carry-vllm/env.sh" 2>/dev/null  # vLLM 0.25.0 where reproduce/gpu/
 # found, not imported (importing vLLM takes ~30 s); the vllm stage and the vLLM tests say so where it does not import
 python3 -c "import importlib.util as u, sys; sys.exit(u.find_spec('vllm') is None)" 2>/dev/null && has_vllm=yes || has_vllm=
 [[ $has_vllm ]] && SHARE[tests]=60  # the tests start vLLM three times (2-3 minutes each on an H100 or H200, 28 November)
-if line=$(python3 "$HERE/make_models.py" embedded "$WORK/cache"); then  # the CUDA tests' model, in PODS_CACHE
+if [[ " ${stages[*]} " == *" tests "* ]] && line=$(python3 "$HERE/make_models.py" embedded "$WORK/cache"); then  # the CUDA tests' model, in PODS_CACHE
   PODS_CACHE=$(dirname "${line%%$'\t'*}") embedded_what=${line#*$'\t'}
   export PODS_CACHE
 fi
@@ -96,11 +96,33 @@ run_stage() {  # run_stage STAGE COMMAND...: within its share of BUDGET (the las
   printf '%s\t%s\t%s\n' "$stage" "$code" "$((SECONDS - began))" >>"$LOGS/status.txt"
   [[ -f $WORK/runs/$stage/metrics.jsonl ]] && cp "$WORK/runs/$stage/metrics.jsonl" "$LOGS/$stage.jsonl"
   tail -n 2 "$LOGS/$stage.log"
+  write_env
+  tar -czf "$OUT/logs.tar.gz" -C "$WORK" logs  # after every stage: a call the device tool kills at its limit still returns them
 }
 train() {  # train STAGE DIR FLAGS...: train.py of the checkout in DIR for 3 steps, its GPU profile on the model
   model_ready || { skip "$1" "no model to train (models.log)"; return; }
   run_stage "$1" env -C "$2" python3 "$HERE/peak.py" --model "$model_dir" --dataset "$DATASET" --max-new-tokens "$TOKENS" \
     --steps 3 --out-dir "$WORK/runs/$1" "${@:3}"
+}
+if [[ -f .gpu/commit ]]; then  # a borrowed machine's copy of the checkout may hold another git state than the one carried
+  commit="$(cat .gpu/commit) (as prepare.sh recorded it)"
+elif commit=$(git rev-parse --short HEAD 2>/dev/null); then
+  [[ $(git status --porcelain 2>/dev/null) ]] && commit+=" with uncommitted changes"
+else
+  commit=unknown
+fi
+versions=$(installed torch transformers peft trl vllm | paste -sd, | sed 's/,/, /g')
+write_env() {  # the summary's header, LOGS/env.txt: written after every stage, with what is known by then
+  {
+    echo "card: ${card:-unknown (no nvidia-smi)}"
+    echo "date: $(date -u '+%Y-%m-%d %H:%M UTC')"
+    echo "commit: $commit"
+    echo "versions: $versions"
+    echo "model: ${model_what:-none (no timed stage yet)}"
+    echo "tests' model: ${embedded_what:-none}"
+    echo "configuration: 1 prompt x 32 rollouts a step, PODS keeping 16; $TOKENS new tokens; 3 steps; the GPU profile's defaults"
+    [[ " ${stages[*]} " == *" old "* && -f .gpu/old/commit ]] && echo "old: $(cat .gpu/old/commit)"
+  } >"$LOGS/env.txt"
 }
 
 for stage in "${stages[@]}"; do
@@ -120,24 +142,8 @@ for stage in "${stages[@]}"; do
   esac
 done
 
-if [[ -f .gpu/commit ]]; then  # a borrowed machine's copy of the checkout may hold another git state than the one carried
-  commit="$(cat .gpu/commit) (as prepare.sh recorded it)"
-elif commit=$(git rev-parse --short HEAD 2>/dev/null); then
-  [[ $(git status --porcelain 2>/dev/null) ]] && commit+=" with uncommitted changes"
-else
-  commit=unknown
-fi
-{
-  echo "card: ${card:-unknown (no nvidia-smi)}"
-  echo "date: $(date -u '+%Y-%m-%d %H:%M UTC')"
-  echo "commit: $commit"
-  echo "versions: $(installed torch transformers peft trl vllm | paste -sd, | sed 's/,/, /g')"
-  echo "model: ${model_what:-none (no timed stage)}"
-  echo "tests' model: ${embedded_what:-none}"
-  echo "configuration: 1 prompt x 32 rollouts a step, PODS keeping 16; $TOKENS new tokens; 3 steps; the GPU profile's defaults"
-  [[ " ${stages[*]} " == *" old "* && -f .gpu/old/commit ]] && echo "old: $(cat .gpu/old/commit)"
-} >"$LOGS/env.txt"
 say "summary: $OUT/last_check.txt"
+write_env
 python3 "$HERE/summary.py" "$LOGS" | tee "$OUT/last_check.txt"
 tar -czf "$OUT/logs.tar.gz" -C "$WORK" logs
 exec >&- 2>&-

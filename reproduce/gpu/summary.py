@@ -37,6 +37,17 @@ def read(path: Path) -> str:
     return path.read_text(errors="replace") if path.exists() else ""
 
 
+def read_rows(text: str) -> list[dict]:
+    """A stage's rows, one JSON object a line; a line cut short (the stage killed as it wrote) left out."""
+    rows = []
+    for line in text.splitlines():
+        try:
+            rows.append(json.loads(line))
+        except json.JSONDecodeError:
+            continue
+    return [row for row in rows if isinstance(row, dict)]
+
+
 def read_env(text: str) -> dict[str, str]:
     return dict(line.split(": ", 1) for line in text.splitlines() if ": " in line)
 
@@ -61,7 +72,8 @@ def step_means(rows: list[dict], steps=TIMED_STEPS) -> dict[str, float]:
     timed = [dict(row, step_s=row["elapsed_s"] - elapsed[row["step"] - 1])
              for row in rows if row["step"] in steps and row["step"] - 1 in elapsed]
     keys = ("generation_s", "update_s", "step_s", "completion_len", "sampler_gap_mean")
-    means = {k: sum(row[k] for row in timed) / len(timed) for k in keys if timed and all(k in row for row in timed)}
+    means = {k: sum(row[k] for row in timed) / len(timed) for k in keys
+             if timed and all(isinstance(row.get(k), (int, float)) for row in timed)}  # (null: a sampler gap not finite)
     return means | {"steps": [row["step"] for row in timed]}
 
 
@@ -124,7 +136,7 @@ def summary(logs: Path, *more: Path) -> str:
     for stage, what in ROWS.items():
         if stage not in status:
             continue
-        means = step_means([json.loads(line) for line in read(where[stage] / f"{stage}.jsonl").splitlines()])
+        means = step_means(read_rows(read(where[stage] / f"{stage}.jsonl")))
         if "step_s" in means:
             step_s[stage] = means["step_s"]
         log = read(where[stage] / f"{stage}.log")
@@ -157,4 +169,8 @@ def summary(logs: Path, *more: Path) -> str:
 if __name__ == "__main__":
     if len(sys.argv) < 2:
         sys.exit("usage: python3 reproduce/gpu/summary.py LOGS [MORE_LOGS ...]   (the folders check.sh's stages wrote)")
+    for folder in sys.argv[1:]:
+        if not (Path(folder) / "status.txt").is_file():
+            sys.exit(f"summary.py: {folder} holds no status.txt: name the logs folder each check.sh call's logs.tar.gz unpacks "
+                     "to (unpack each into a folder of its own: all are named logs)")
     print(summary(*map(Path, sys.argv[1:])), end="")

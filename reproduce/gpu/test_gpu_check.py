@@ -159,6 +159,22 @@ def test_summary_of_stages_without_rows_names_each_failure_and_gives_no_ratios(t
 
 
 @pytest.mark.pure
+def test_summary_leaves_out_a_row_cut_short_and_a_sampler_gap_that_is_not_finite_and_names_a_folder_without_logs(logs, tmp_path):
+    """A stage killed as it wrote leaves half a line; train.py writes a sampler gap that is not finite as null. Both
+    ended the summary in a traceback. A LOGS folder that is not one (a call that returned nothing) is named."""
+    (logs / "status.txt").write_text("pods\t124\t104\n")
+    write_stage(logs, "pods", [(48.0, 3.5), (15.0, 2.0), (16.0, 2.2)], None, sampler_gap_mean=None)
+    with (logs / "pods.jsonl").open("a") as rows:
+        rows.write('{"step": 4, "elapsed_')
+    pods = next(line for line in summary.summary(logs).splitlines() if line.startswith("pods  "))
+    assert re.split(r"\s{2,}", pods)[2:4] + re.split(r"\s{2,}", pods)[-2:] == ["2-3", "15.5", "-", "timed out at 104 s"]
+    command = subprocess.run([sys.executable, str(HERE / "summary.py"), str(logs), str(tmp_path / "none")], capture_output=True, text=True)
+    assert command.returncode == 1 and command.stderr == (
+        f"summary.py: {tmp_path / 'none'} holds no status.txt: name the logs folder each check.sh call's logs.tar.gz "
+        "unpacks to (unpack each into a folder of its own: all are named logs)\n")
+
+
+@pytest.mark.pure
 def test_check_sh_refuses_an_unknown_stage_in_one_line_before_doing_anything(tmp_path):
     result = subprocess.run(["bash", str(HERE / "check.sh"), "pods", "tset"], capture_output=True, text=True,
                             env={"PATH": "/usr/bin:/bin", "OUT": str(tmp_path / "out")})

@@ -116,3 +116,6 @@ for part in "$out"/part-*; do
   echo "  run(command='bash $here/receive.sh', carry=['$part', '$out/manifest'])"
 done
 echo "The last one unpacks into /tmp/vllm-site and prints vllm.__version__; then: source $here/env.sh"
+if [[ -z ${VLLM_PACK_ONLY:-} ]]; then
+  echo "Its downloads and install stay in $work ($(du -sh "$work" | cut -f 1)): a rerun skips the download; delete it when done"
+fi
