@@ -124,12 +124,14 @@ def write_row(metrics_file, row: dict) -> None:
 RANK_0_FIRST_S = 5.0  # how long the other ranks wait before they exit on an error, so that rank 0 leaves first
 
 
-def say_at_exit(message: str, world: distributed.World = distributed.World()) -> None:
+def say_at_exit(message: str, world: distributed.World = distributed.World(), this_rank_only: bool = False) -> None:
     """A message that ends the run, on stderr once: rank 0 prints it. torchrun stops every rank as soon as one has
     exited, so a rank that exits first, silently, can stop rank 0 before the line is out (on an H200, the refusal of
-    more processes than GPUs: stderr held only torchrun's own summary). So the others wait RANK_0_FIRST_S first."""
-    if world.is_main:
-        print(message, file=sys.stderr, flush=True)
+    more processes than GPUs: stderr held only torchrun's own summary). So the others wait RANK_0_FIRST_S first.
+    `this_rank_only`: a failure of this rank, not of all alike (out of memory, with its own completion lengths): the
+    rank says it at once, with its number (rank 0 may only see the others leave, as a lost connection)."""
+    if world.is_main or this_rank_only:
+        print(message if world.is_main else f"[rank {world.rank}] {message}", file=sys.stderr, flush=True)
     else:
         time.sleep(RANK_0_FIRST_S)
 
@@ -175,18 +177,26 @@ def restore_handlers(previous: dict) -> None:
         signal.signal(sig, signal.SIG_DFL if handler is None else handler)
 
 
+SAME_STOP_S = 1.0  # a SIGTERM this soon after a SIGTERM is the same stop, delivered twice
+
+
 def ctrl_c_handler(stop: dict):
     """SIGINT and SIGTERM handler: the first signal asks the loop to stop after the current step and
     save; a second one quits without saving. SIGTERM is what cluster schedulers send before a kill
     (the step finishes and is saved if their grace period allows). Under torchrun the ranks run in
     their own sessions, out of the terminal's reach: torchrun passes its first Ctrl-C on to each rank
     once, and at a second one terminates them (SIGTERM), which, being their second signal, quits
-    without saving."""
+    without saving. A scheduler's SIGTERM (Slurm's scancel, systemd's stop) reaches every process of the job,
+    so a rank receives it twice, from the scheduler and from torchrun passing its own on: a SIGTERM within
+    SAME_STOP_S of the first is that one stop, not a second (as a second, it lost the step's checkpoint)."""
 
     def on_signal(signum, frame):
+        now = time.monotonic()
         if stop["requested"]:
+            if signum == signal.SIGTERM == stop.get("signal") and now - stop["at"] < SAME_STOP_S:
+                return
             raise KeyboardInterrupt
-        stop["requested"] = True
+        stop.update(requested=True, signal=signum, at=now)
         name = "Ctrl-C" if signum == signal.SIGINT else signal.Signals(signum).name
         log.info("%s: finishing this step, then saving a checkpoint (Ctrl-C again to quit without saving)", name)
 

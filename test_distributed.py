@@ -212,6 +212,49 @@ def test_a_second_ctrl_c_on_torchrun_stops_both_ranks_without_saving(tiny_model_
     assert err.count(f"interrupted: no checkpoint was saved in {out}; the same command with --resume auto starts the run again") == 1, err[-3000:]
 
 
+AT_RANKS_SECOND_UPDATE = """
+import os, signal, sys, torch
+sys.path.insert(0, os.getcwd())
+import train
+event, rank, update, calls = os.environ["EVENT"], os.environ["RANK"], train.policy_update, []
+
+def children_of(parent):
+    return [int(p) for p in os.listdir("/proc") if p.isdigit() and open(f"/proc/{p}/stat").read().rsplit(")", 1)[1].split()[1] == str(parent)]
+
+def policy_update(*args, **kwargs):
+    calls.append(1)
+    if len(calls) == 2 and event == "scheduler" and rank == "0":  # Slurm's scancel: SIGTERM to torchrun and to every rank
+        for pid in [os.getppid(), *children_of(os.getppid())]:
+            os.kill(pid, signal.SIGTERM)
+    if len(calls) == 2 and event == "sigterm" and rank == "1":  # a kill of one worker
+        os.kill(os.getpid(), signal.SIGTERM)
+    if len(calls) == 2 and event == "oom" and rank == "1":  # its completions longer than rank 0's
+        raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB")
+    return update(*args, **kwargs)
+
+train.policy_update = policy_update
+sys.exit(train.main())
+"""
+
+
+@pytest.mark.parametrize("event", ["scheduler", "sigterm", "oom"])
+def test_a_stop_or_failure_at_one_rank_or_at_all_is_saved_and_said_under_torchrun(event, tiny_model_dir, tmp_path):
+    """scheduler: a SIGTERM to every process of the job reached each rank twice (the scheduler's, torchrun's), and the
+    second quit without saving. sigterm: a SIGTERM to rank 1 stopped both ranks, but rank 0 logged "done". oom: rank 1
+    out of memory was silent; rank 0 said only that its connection closed. Each is found in step 2's update."""
+    driver, out = tmp_path / "at_second_update.py", tmp_path / "run"
+    driver.write_text(AT_RANKS_SECOND_UPDATE)
+    done = torchrun(2, *tiny_args(tiny_model_dir, out, "--steps", "5", "--prompts-per-step", "4"), script=str(driver),
+                    env=os.environ | {"EVENT": event})
+    assert done.returncode != 0
+    if event == "oom":
+        assert "[rank 1] error: out of memory; lower --micro-batch" in done.stderr, done.stderr[-3000:]
+        return
+    assert [p.name for p in checkpoint.find(out)] == ["checkpoint-2"], done.stderr[-3000:]  # step 2 finished and saved
+    assert done.stderr.count(f"interrupted: the last checkpoint is {out / 'checkpoint-2'} (--resume continues from it)") == 1
+    assert "done: metrics in" not in done.stderr
+
+
 def test_prompts_per_step_that_do_not_divide_among_the_processes_exit_2_with_one_line(tmp_path, capsys, monkeypatch):
     """Checked before the ranks meet, so each exits at once (torchrun then reports the failed ranks)."""
     for name, value in {"RANK": "0", "LOCAL_RANK": "0", "WORLD_SIZE": "2"}.items():

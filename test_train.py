@@ -1157,6 +1157,29 @@ def test_a_second_ctrl_c_quits_without_saving(tiny_model_dir, tmp_path, monkeypa
     assert train.main(tiny_args(tiny_model_dir, out, "--steps", "1", "--resume", "auto")) == 0  # as the line says
 
 
+def test_a_sigterm_delivered_twice_at_once_is_one_stop_and_a_later_signal_a_second(monkeypatch):
+    """A scheduler signals every process of a job, so under torchrun a rank gets its SIGTERM and torchrun's: as two,
+    the step's checkpoint was lost. Two SIGINTs (torchrun's second Ctrl-C is SIGINT then SIGTERM) still quit."""
+    now = [100.0]
+    monkeypatch.setattr(progress.time, "monotonic", lambda: now[0])
+    stop = {"requested": False}
+    on_signal = progress.ctrl_c_handler(stop)
+    on_signal(signal.SIGTERM, None)
+    now[0] += 0.5
+    on_signal(signal.SIGTERM, None)  # the same stop
+    assert stop["requested"]
+    with pytest.raises(KeyboardInterrupt):
+        on_signal(signal.SIGINT, None)
+    now[0] += progress.SAME_STOP_S
+    with pytest.raises(KeyboardInterrupt):
+        on_signal(signal.SIGTERM, None)  # a second stop, asked a second later
+    stop = {"requested": False}
+    on_signal = progress.ctrl_c_handler(stop)
+    on_signal(signal.SIGINT, None)
+    with pytest.raises(KeyboardInterrupt):
+        on_signal(signal.SIGINT, None)
+
+
 def test_ctrl_c_while_the_model_loads_says_how_to_start_again(tiny_model_dir, tmp_path, monkeypatch, capsys, length_rewards):
     """Before the loop (loading a model takes a while), a Ctrl-C is Python's KeyboardInterrupt: exit 130, and the last
     line does not point to a checkpoint that does not exist; what it advises starts the run."""

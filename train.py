@@ -180,8 +180,8 @@ def train_loop(args, model, tokenizer, optimizer, scheduler, sampler, stream, st
     finally:
         progress.restore_handlers(previous_handlers)  # only now: a Ctrl-C during the last save is still a first one
         bar.close()
-    if stop["requested"] and state["step"] < args.steps and not progress.budget_spent(args, state):  # Ctrl-C in the last step: done
-        raise KeyboardInterrupt
+    if distributed.any_rank(stop["requested"], world) and state["step"] < args.steps and not progress.budget_spent(args, state):
+        raise KeyboardInterrupt  # on every rank, where a signal reached one (rank 0 says so); a Ctrl-C in the last step: done
 
 
 # ----------------------------------------------------------------------------- one step
@@ -373,8 +373,8 @@ def main(argv: list[str] | None = None) -> int:
     transformers_logging.disable_progress_bar()  # "Loading weights" at every start
     args = config.parse_args(Args, argv, __doc__.split("\n")[0])
     world = distributed.world_from_env()
-    if not world.is_main:  # torchrun: rank 0 speaks for all
-        log.setLevel(logging.WARNING)
+    if not world.is_main:  # torchrun: rank 0 speaks for all (its warnings are theirs: each said once, not once a rank)
+        log.setLevel(logging.ERROR)
     try:
         out_dir = train(args, world)
         log.info("done: metrics in %s, checkpoints %s", out_dir / "metrics.jsonl", ", ".join(p.name for p in checkpoint.find(out_dir)[-3:]))
@@ -385,7 +385,7 @@ def main(argv: list[str] | None = None) -> int:
         progress.say_at_exit(f"error: {err}", world)
         return 1
     except torch.OutOfMemoryError:
-        progress.say_at_exit(progress.out_of_memory_line(Path(args.out_dir)), world)
+        progress.say_at_exit(progress.out_of_memory_line(Path(args.out_dir)), world, this_rank_only=True)
         return 1
     except KeyboardInterrupt:
         progress.say_at_exit(progress.interrupted_line(Path(args.out_dir)) if world.is_main else "", world)
