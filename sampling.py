@@ -4,8 +4,8 @@ The generation phase of GRPO / PODS (Algorithm 1 of the paper, "sample n rollout
 Generation is the cheap, parallel phase; PODS then keeps only m of the n rollouts for the
 expensive update (pods.py).
 
-`HFSampler` runs a short decode loop of its own (prefill each prompt once, copy its cache to its n
-rows, decode one token per row per step: decode.py makes that step fast). train.py and eval.py sample from a copy of the policy
+`HFSampler` runs a short decode loop of its own (prefill each prompt, once for its n rows with share_prompt,
+decode one token per row per step: decode.py makes that step fast). train.py and eval.py sample from a copy of the policy
 with the LoRA merged in (`merged=True`: bfloat16, or float32 on a CPU without bfloat16 arithmetic), refreshed after every
 update; without it, from the PEFT model itself. It works anywhere,
 including a CPU with no GPU. vllm_sampler.VLLMSampler is the GPU backend with the same interface,
@@ -98,8 +98,8 @@ def cut_at_stop(token_ids: list[int], stops: set[int]) -> tuple[list[int], bool]
 
 class HFSampler:
     """Sampling with transformers on the policy being trained, in a loop of a few lines: prefill
-    each distinct prompt once, copy its KV cache to its n rows, then decode one token per row per
-    step until every row has stopped.
+    each prompt (with `share_prompt` once, its KV cache copied to its n rows; else once per row), then decode
+    one token per row per step until every row has stopped.
 
     Six measured speed mechanisms (docs/speed.md has the figures), the first four below, the others in decode.py:
     - `merged_copy` (with `merged=True`): decode with a copy of the policy whose LoRA is merged
