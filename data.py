@@ -25,6 +25,7 @@ import os
 import random
 import socket
 import threading
+import urllib.request
 from dataclasses import dataclass
 from decimal import Decimal
 from pathlib import Path
@@ -168,6 +169,10 @@ def hub_unreachable(timeout_s: float = 3.0) -> str | None:
     endpoint = urlparse(os.environ.get("HF_ENDPOINT", "https://huggingface.co"))
     host = endpoint.hostname or "huggingface.co"
     port = endpoint.port or (80 if endpoint.scheme == "http" else 443)
+    proxy = urllib.request.getproxies().get(endpoint.scheme or "https")  # HTTPS_PROXY and the like: the hub is reached through it
+    if proxy and not urllib.request.proxy_bypass(host):
+        via = urlparse(proxy if "://" in proxy else f"http://{proxy}")
+        host, port = via.hostname or host, via.port or (443 if via.scheme == "https" else 80)
     answer = []
 
     def connect() -> None:
@@ -175,7 +180,7 @@ def hub_unreachable(timeout_s: float = 3.0) -> str | None:
             socket.create_connection((host, port), timeout=timeout_s).close()
             answer.append(None)
         except OSError as err:
-            answer.append(f"{host} unreachable: {err}")
+            answer.append(f"{host}{' (the proxy)' if proxy and host != endpoint.hostname else ''} unreachable: {err}")
 
     # In a thread, because create_connection's timeout covers the connection but not the DNS lookup before
     # it, which a hanging resolver would hold for its own timeout: the lookup gets as long as the connection.

@@ -107,6 +107,8 @@ def test_hub_unreachable_answers_within_its_limit_though_the_dns_lookup_hangs(mo
     monkeypatch.delenv("HF_HUB_OFFLINE", raising=False)
     monkeypatch.delenv("HF_DATASETS_OFFLINE", raising=False)
     monkeypatch.delenv("HF_ENDPOINT", raising=False)
+    for variable in ("HTTPS_PROXY", "https_proxy", "HTTP_PROXY", "http_proxy", "ALL_PROXY", "all_proxy", "NO_PROXY", "no_proxy"):
+        monkeypatch.delenv(variable, raising=False)  # (the machine's own)
     release = threading.Event()
     monkeypatch.setattr(socket, "getaddrinfo", lambda *args, **kwargs: release.wait(30) and [])
     try:
@@ -125,10 +127,20 @@ def test_hub_unreachable_answers_within_its_limit_though_the_dns_lookup_hangs(mo
     monkeypatch.setenv("HF_ENDPOINT", "http://127.0.0.1:9")  # a mirror: its host and port are asked, not huggingface.co:443
     assert data.hub_unreachable(timeout_s=10) is None
     assert asked == [("huggingface.co", 443), ("127.0.0.1", 9)]
+    monkeypatch.delenv("HF_ENDPOINT")
+    monkeypatch.setenv("HTTPS_PROXY", "proxy.example:3128")  # behind a proxy the hub is reached through it: a direct
+    assert data.hub_unreachable(timeout_s=10) is None  # connection to huggingface.co:443 failed and the run was refused
+    monkeypatch.setenv("NO_PROXY", "huggingface.co")
+    assert data.hub_unreachable(timeout_s=10) is None and asked[2:] == [("proxy.example", 3128), ("huggingface.co", 443)]
+    monkeypatch.setattr(socket, "create_connection", refused)
+    monkeypatch.delenv("NO_PROXY")
+    assert data.hub_unreachable(timeout_s=10) == "proxy.example (the proxy) unreachable: [Errno 111] Connection refused"
+    monkeypatch.delenv("HTTPS_PROXY")
+    monkeypatch.setattr(socket, "create_connection", lambda address, timeout: asked.append(address) or socket.socket())
     monkeypatch.setenv("HF_DATASETS_OFFLINE", "1")  # `datasets` only: a model is still looked up on the hub
-    assert data.hub_unreachable(timeout_s=10) is None and len(asked) == 3
+    assert data.hub_unreachable(timeout_s=10) is None and len(asked) == 5
     monkeypatch.setenv("HF_HUB_OFFLINE", "1")  # offline by choice: the hub is not asked
-    assert data.hub_unreachable(timeout_s=10) == "HF_HUB_OFFLINE is set" and len(asked) == 3
+    assert data.hub_unreachable(timeout_s=10) == "HF_HUB_OFFLINE is set" and len(asked) == 5
 
 
 @pytest.mark.parametrize("variable", ["HF_HUB_OFFLINE", "HF_DATASETS_OFFLINE"])
