@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import math
 import os
 import sys
 import time
@@ -160,7 +161,7 @@ def benchmark(args: train.Args, repeats: int = 2) -> list[dict]:
             gen_s[share].append(time.perf_counter() - start)
         tokens.append(sum(len(r.completion_ids) for r in rollouts))
         for share in shares:
-            update_tokens[share].append(tokens_read(rollouts, share))
+            update_tokens[share].append(tokens_read(rollouts, share, args.micro_batch))
         for m in ms:
             run = dataclasses.replace(args, m=m, rule="none" if m == args.n else args.rule)
             kept_idx = train.select(scores, run.rule, run.n, run.m, rng)
@@ -249,12 +250,14 @@ def benchmark(args: train.Args, repeats: int = 2) -> list[dict]:
     return rows
 
 
-def tokens_read(rollouts: list, share_prompt: bool) -> int:
+def tokens_read(rollouts: list, share_prompt: bool, micro_batch: int) -> int:
     """Tokens the update forwards through the decoder layers: each rollout's prompt and completion, or with
-    the prompt shared each prompt once per group (update.shared_prompt_logprobs; one group per micro-batch)."""
+    the prompt shared each prompt once per piece of its group in a micro-batch (update.micro_batches splits a group
+    larger than `micro_batch`; update.shared_prompt_logprobs)."""
     if not share_prompt:
         return sum(len(r.prompt_ids) + len(r.completion_ids) for r in rollouts)
-    return sum(len(rollouts[g[0]].prompt_ids) + sum(len(rollouts[i].completion_ids) for i in g) for g in prompt_groups(rollouts))
+    return sum(len(rollouts[g[0]].prompt_ids) * math.ceil(len(g) / micro_batch) + sum(len(rollouts[i].completion_ids) for i in g)
+               for g in prompt_groups(rollouts))
 
 
 def linear_params(model) -> tuple[int, int]:

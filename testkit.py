@@ -46,7 +46,7 @@ def lora_policy(model_dir: Path, seed: int = 0, device: str = "cpu", dtype: torc
 
     model, tokenizer = models.load_policy(str(model_dir), device, dtype)
     torch.manual_seed(seed)  # LoRA's A matrices are drawn from the global generator
-    model = models.add_lora(model, LoraConfig(r=4, lora_alpha=8, target_modules=models.LORA_TARGETS, task_type="CAUSAL_LM"))
+    model = models.add_lora(model, LoraConfig(r=4, lora_alpha=8, target_modules=models.lora_targets(model), task_type="CAUSAL_LM"))
     generator = torch.Generator().manual_seed(seed)
     with torch.no_grad():
         for name, param in model.named_parameters():

@@ -300,7 +300,7 @@ def train(args: Args, world: distributed.World = distributed.World()) -> Path:
     torch.manual_seed(args.seed)  # the LoRA initialisation, the same on every rank
 
     model, tokenizer = load_trainable_policy(model_name, device, args.lora_rank, args.lora_alpha, args.bf16_weights,
-                                             args.gradient_checkpointing, args.bf16_autocast)
+                                             args.gradient_checkpointing, args.bf16_autocast, args.max_prompt_tokens + args.max_new_tokens)
     if resuming:
         checkpoint.check_resumed_model(out_dir, model_name)
     sampler = make_sampler(args, model, tokenizer, device, world)

@@ -213,8 +213,8 @@ def policy_update(model, optimizer, scheduler, kept: list[Rollout], advantages: 
             adv = advantages[indices].to(logprobs.device)
             sampled = sampler_logprobs(batch, logprobs)
             weights = None
-            if sampled is not None:  # vLLM: how far its log-probs are from the trainer's, and optionally a correction
-                gap = (logprobs.detach() - sampled).abs() * mask
+            if sampled is not None and mask.any():  # vLLM: how far its log-probs are from the trainer's, and optionally a correction
+                gap = (logprobs.detach() - sampled).abs() * mask  # (a micro-batch of empty completions has no token to measure)
                 gap_sum, gap_max, gap_tokens = gap_sum + gap.sum().item(), max(gap_max, gap.max().item()), gap_tokens + int(mask.sum())
                 if settings.tis_cap:
                     weights = grpo.truncated_importance_weights(logprobs, sampled, settings.tis_cap)

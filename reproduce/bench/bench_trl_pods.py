@@ -112,7 +112,7 @@ def run(name: str, m: int, args, model_path: str) -> list[dict]:
     Timed, TimedPODS = timed_trainers()
     torch.manual_seed(args.seed)
     model = AutoModelForCausalLM.from_pretrained(model_path, dtype=torch.float32)
-    lora = LoraConfig(r=16, lora_alpha=32, lora_dropout=0.0, target_modules=models.LORA_TARGETS, task_type="CAUSAL_LM")
+    lora = LoraConfig(r=16, lora_alpha=32, lora_dropout=0.0, target_modules="all-linear", task_type="CAUSAL_LM")
     common = {"model": model, "reward_funcs": trl_pods.task_reward, "args": config, "train_dataset": trl_pods.task_dataset("arith", count=200),
               "processing_class": AutoTokenizer.from_pretrained(model_path), "peft_config": lora}
     trainer = Timed(**common) if m == N else TimedPODS(**common, m=m)

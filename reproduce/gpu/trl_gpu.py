@@ -74,7 +74,6 @@ def main(argv: list[str]) -> None:
     from peft import LoraConfig
     from trl import GRPOConfig, GRPOTrainer
 
-    import model
     import trl_pods
     from peak import PhasePeaks
 
@@ -90,7 +89,7 @@ def main(argv: list[str]) -> None:
         clock = Clock(metrics_file, args.n)
         trainer = GRPOTrainer(model=args.model, reward_funcs=trl_pods.task_reward, args=config,
                               train_dataset=trl_pods.task_dataset(args.dataset, count=200), callbacks=[clock],
-                              peft_config=LoraConfig(r=64, lora_alpha=64, target_modules=model.LORA_TARGETS, task_type="CAUSAL_LM"))
+                              peft_config=LoraConfig(r=64, lora_alpha=64, target_modules="all-linear", task_type="CAUSAL_LM"))
         trainer._generate_and_score_completions = clock.timed(trainer._generate_and_score_completions)
         print(f"TRL trainer built in {time.time() - start:.0f} s", flush=True)
         trainer.train()
