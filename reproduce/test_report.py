@@ -441,6 +441,21 @@ def test_reference_clock_prices_a_step_at_its_settings_mean_or_counts_plain_step
         ReferenceClock([tmp_path / "ref"], "seconds")
 
 
+@pytest.mark.pure
+def test_the_committed_primary_reading_is_what_headline_py_reads_in_the_kept_runs_now(tmp_path, capsys):
+    """cpu_primary.txt, whose numbers the README's headline table gives, printed again from reproduce/cpu-plateau/ by
+    the current code: the runs cpu_reproduction.sh's report stage names (reference clock: seeds 0-3 of the four
+    settings; each comparison: its seeds that trained the whole budget on the clock, evaluated, both runs kept)."""
+    kept = Path(headline.__file__).parent / "cpu-plateau"
+    settings = ("grpo-n8", "pods-n8-m4", "grpo-n4", "pods-n16-m4")
+    runs = lambda names, seeds: [str(kept / f"{name}-s{seed}") for seed in seeds for name in names]
+    assert headline.main(["--dataset", "arith:2", "--out", str(tmp_path / "paired.png"), "--reference-runs", *runs(settings, range(4)),
+                          "--comparison", "equal rollouts generated", *runs(settings[:2], (0, 1, 2, 3, 9, 10)),
+                          "--comparison", "equal rollouts updated", *runs(settings[2:], (0, 1, 2, 3, 9, 10, 11, 12, 13, 15))]) == 0
+    committed = (kept.parent / "cpu_primary.txt").read_text().replace("reproduce/cpu_paired_differences.png", str(tmp_path / "paired.png"))
+    assert capsys.readouterr().out == committed
+
+
 def test_headline_reads_each_comparison_with_t_and_exact_intervals_and_draws_one_panel_each(tmp_path, capsys, monkeypatch):
     """reproduce/headline.py on three constructed seeds (each step 3 s on the clock, the first 10 s): PODS is
     ahead by 0.4, 0.2 and 0.0 at step 10 (37 s) and level from step 20; a comparison with no runs yet waits."""
