@@ -68,6 +68,18 @@ def budget_spent(args, state: dict) -> bool:
     return bool(args.time_budget) and state["elapsed_s"] >= args.time_budget * 60
 
 
+def nothing_left(args, state: dict) -> bool:
+    """Whether the run is already at --steps or past --time-budget: resumed so, it trains nothing and keeps its
+    config.json (whose sampling settings eval.py evaluates its checkpoints with)."""
+    return state["step"] >= args.steps or budget_spent(args, state)
+
+
+def nothing_left_line(args, state: dict, out_dir: Path) -> str:
+    reached = f"past --time-budget {args.time_budget:g}" if budget_spent(args, state) else f"at --steps {args.steps}"
+    return (f"{out_dir} is {reached} (step {state['step']}, {state['elapsed_s'] / 60:.1f} min of training): nothing to "
+            f"train; a larger one continues it")
+
+
 def count_skipped(update: dict, skipped_in_a_row: int, step: int) -> int:
     """Updates skipped in a row for a non-finite loss or gradient norm (policy_update), logged."""
     if not update["skipped"]:

@@ -77,14 +77,18 @@ def test_resume_drops_metrics_rows_after_the_checkpoint(tiny_model_dir, tmp_path
     assert [r["step"] for r in read_metrics(out)] == [1, 2]
 
 
-def test_resume_with_fewer_steps_than_the_run_has_says_so_and_leaves_the_run_as_it_was(tiny_model_dir, tmp_path, caplog, length_rewards):
-    """It said only "done", and config.json then gave the 2-step run --steps 1."""
+def test_resume_with_fewer_steps_or_a_spent_time_budget_says_so_and_leaves_the_run_as_it_was(tiny_model_dir, tmp_path, caplog, length_rewards):
+    """It said only "done", and config.json then gave the 2-step run --steps 1. Past its --time-budget, a resume that
+    left out a flag (here --temperature) wrote that setting into config.json, which eval.py then evaluated with."""
     out = tmp_path / "run"
-    assert train.main(tiny_args(tiny_model_dir, out, "--steps", "2")) == 0
+    assert train.main(tiny_args(tiny_model_dir, out, "--steps", "2", "--temperature", "0.7")) == 0
     before = (out / "config.json").read_text()
     with caplog.at_level(logging.INFO, logger="pods"):
-        assert train.main(tiny_args(tiny_model_dir, out, "--steps", "1", "--resume")) == 0
-    assert f"{out} is at step 2: nothing to train for --steps 1" in caplog.text
+        assert train.main(tiny_args(tiny_model_dir, out, "--steps", "1", "--resume", "--temperature", "0.7")) == 0
+        assert re.search(rf"{re.escape(str(out))} is at --steps 1 \(step 2, [\d.]+ min of training\): nothing to train; a larger "
+                         "one continues it", caplog.text)
+        assert train.main(tiny_args(tiny_model_dir, out, "--steps", "5", "--time-budget", "0.0001", "--resume")) == 0
+        assert f"{out} is past --time-budget 0.0001 (step 2, " in caplog.text
     assert (out / "config.json").read_text() == before and [r["step"] for r in read_metrics(out)] == [1, 2]
 
 

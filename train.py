@@ -89,7 +89,7 @@ class Args:
     beta: float = arg(0.0, "KL penalty weight against the base model (the LoRA adapter switched off); 0 = no KL term")
     tis_cap: float = arg(0.0, "weight each token by min(pi_trainer / pi_sampler, this cap), truncated importance sampling; 0 = off")
     steps: int | None = arg(None, "training steps [GPU 1000, CPU 100]")
-    time_budget: float = arg(0.0, "stop after this many minutes of training (0 = no limit)")
+    time_budget: float = arg(0.0, "stop after this many minutes of training (0 = no limit; --steps still applies)")
     save_every_steps: int = arg(25, "save a checkpoint every this many steps (0 = off)")
     save_every_minutes: float = arg(10.0, "save a checkpoint every this many minutes of training (0 = off)")
     out_dir: str = arg("runs/pods", "directory for config.json, metrics.jsonl and checkpoint-STEP/")
@@ -322,10 +322,10 @@ def train(args: Args, world: distributed.World = distributed.World()) -> Path:
             if world.is_main:
                 checkpoint.drop_rows_after(metrics_path, state["step"])
             log.info("resumed from %s: step %d, %.0f s of training", resume_from, state["step"], state["elapsed_s"])
-            if state["step"] >= args.steps:
-                log.info("%s is at step %d: nothing to train for --steps %d", out_dir, state["step"], args.steps)
+            if progress.nothing_left(args, state):
+                log.info("%s", progress.nothing_left_line(args, state, out_dir))
             sampler.update_weights(model)
-        if world.is_main and state["step"] < args.steps:  # a run already there keeps its config.json (its own --steps)
+        if world.is_main and not progress.nothing_left(args, state):  # a run already there keeps its config.json (its own settings)
             run_config = dataclasses.asdict(args) | {"model_resolved": model_name, "device": device, "torch": torch.__version__,
                                                      "world_size": world.size}
             checkpoint.write_config(out_dir, run_config, state["step"] if resuming else None)
