@@ -156,6 +156,7 @@ def load_adapter(path: Path, model) -> None:
     from safetensors.torch import load_file
 
     check_adapter(path)
+    check_adapted_layers(path, distributed.unwrap(model).peft_config["default"].target_modules)
     try:
         loaded = set_peft_model_state_dict(distributed.unwrap(model), load_file(path / "adapter_model.safetensors"))
     except RuntimeError as err:  # "size mismatch for ...lora_A...": another LoRA rank, or another model's adapter
@@ -165,6 +166,21 @@ def load_adapter(path: Path, model) -> None:
     if missing or loaded.unexpected_keys:  # strict=False above: a file of other weights loaded nothing, silently
         raise unreadable(path, "adapter_model.safetensors", ValueError(
             f"not this model's adapter: {len(missing)} of its LoRA weights missing, {len(loaded.unexpected_keys)} others there"))
+
+
+def check_adapted_layers(path: Path, targets) -> None:
+    """Stop in one line where checkpoint `path` adapts other layers than `targets` (the model's LoRA, model.lora_targets):
+    a run begun before 30 November 2026 on a model whose layers are not Llama's names (Phi-3: its fixed list adapted
+    o_proj and down_proj alone), which its checkpoints' weights would not fill."""
+    short = lambda names: None if isinstance(names, str) else {name.rsplit(".", 1)[-1] for name in names}
+    try:
+        saved = short(json.loads((path / "adapter_config.json").read_text()).get("target_modules") or ())
+    except (OSError, ValueError, AttributeError):
+        return  # (no adapter_config.json, or another kind: its weights are checked as they load)
+    if saved is not None and short(targets) is not None and saved != short(targets):
+        raise CheckpointError(f"{path} adapts {', '.join(sorted(saved))}, and this train.py adapts {', '.join(sorted(short(targets)))} "
+                              f"(every linear map of the decoder's blocks, since 30 November 2026): continue the run with the "
+                              f"commit that began it, or begin a new one")
 
 
 def check_adapter(path: Path) -> None:

@@ -172,7 +172,8 @@ def hub_unreachable(timeout_s: float = 3.0) -> str | None:
     proxy = urllib.request.getproxies().get(endpoint.scheme or "https")  # HTTPS_PROXY and the like: the hub is reached through it
     if proxy and not urllib.request.proxy_bypass(host):
         via = urlparse(proxy if "://" in proxy else f"http://{proxy}")
-        host, port = via.hostname or host, via.port or (443 if via.scheme == "https" else 80)
+        host, port = via.hostname or host, via.port or {"https": 443}.get(via.scheme, 1080 if via.scheme.startswith("socks") else 80)
+    name = f"{host} (the proxy)" if host != (endpoint.hostname or "huggingface.co") else host
     answer = []
 
     def connect() -> None:
@@ -180,14 +181,14 @@ def hub_unreachable(timeout_s: float = 3.0) -> str | None:
             socket.create_connection((host, port), timeout=timeout_s).close()
             answer.append(None)
         except OSError as err:
-            answer.append(f"{host}{' (the proxy)' if proxy and host != endpoint.hostname else ''} unreachable: {err}")
+            answer.append(f"{name} unreachable: {err}")
 
     # In a thread, because create_connection's timeout covers the connection but not the DNS lookup before
     # it, which a hanging resolver would hold for its own timeout: the lookup gets as long as the connection.
     attempt = threading.Thread(target=connect, daemon=True)
     attempt.start()
     attempt.join(2 * timeout_s)
-    return answer[0] if answer else f"{host} unreachable: no answer in {2 * timeout_s:g} s"
+    return answer[0] if answer else f"{name} unreachable: no answer in {2 * timeout_s:g} s"
 
 
 def load_examples(dataset: str, split: str, arith_size: int = 20_000, seed: int = 0) -> list[Example]:

@@ -352,7 +352,8 @@ def default_dataset(trained: dict) -> str:
 EVALUATION_FLAGS = ("limit", "samples", "repeats", "temperature", "max_new_tokens", "seed", "backend", "gpu_memory_utilization",
                     "vllm_kv_cache_gb", "enforce_eager", "force")
 PLOT_FLAGS = ("baseline", "target_frac")
-VLLM_FLAGS = ("gpu_memory_utilization", "vllm_kv_cache_gb", "enforce_eager")
+VLLM_FLAGS = {"gpu_memory_utilization": "--gpu-memory-utilization", "vllm_kv_cache_gb": "--vllm-kv-cache-gb",
+              "enforce_eager": "--vllm-enforce-eager"}
 
 
 def check_flags_apply(args, parser) -> None:
@@ -441,7 +442,7 @@ def main(argv: list[str] | None = None) -> int:
             raise EvalError(f"--temperature {args.temperature} must be a number > 0: repeats measure sampling variation")
         vllm_sampler.check_vllm_memory_flags(args.gpu_memory_utilization, args.vllm_kv_cache_gb)
         vllm_sampler.check_vllm_flags_used(args.backend, "cuda" if torch.cuda.is_available() else "cpu",
-                                           [f"--{name.replace('_', '-')}" for name in VLLM_FLAGS if getattr(args, name) != parser.get_default(name)])
+                                           [flag for name, flag in VLLM_FLAGS.items() if getattr(args, name) != parser.get_default(name)])
         settings = Settings(dataset, parse_limit(args.limit, dataset), args.samples, args.repeats, args.temperature,
                             args.max_new_tokens, args.seed, precision=generation_precision(args.backend))
         options = VLLMOptions(args.gpu_memory_utilization, args.vllm_kv_cache_gb, args.enforce_eager)

@@ -26,6 +26,7 @@ from pathlib import Path
 import torch
 
 from data import hub_unreachable
+from rewards import chat_messages
 
 log = logging.getLogger("pods")
 
@@ -152,9 +153,11 @@ def load_tokenizer(path: str):
         tokenizer = AutoTokenizer.from_pretrained(path)
     except (OSError, ValueError) as err:  # ValueError: a directory without tokenizer files
         raise SetupError(f"could not load the tokenizer of {path!r} ({str(err).splitlines()[0]}); {NO_HUB_HINT}") from None
-    if not tokenizer.chat_template:  # every prompt is a chat (sampling.build_prompt): a base model's tokenizer has none
-        raise SetupError(f"the tokenizer of {path!r} has no chat template, which the prompts are written in: "
-                         f"use an instruct or chat model (its -Instruct variant)")
+    try:  # every prompt is a chat with a system prompt (sampling.build_prompt): a base model's tokenizer has no template
+        tokenizer.apply_chat_template(chat_messages("1 + 1?"), tokenize=False)  # (Mistral's has none as text, but writes chats)
+    except ValueError as err:
+        raise SetupError(f"the tokenizer of {path!r} cannot write the prompts' chat ({str(err).splitlines()[0][:120]}): use "
+                         f"an instruct or chat model whose template takes a system prompt") from None
     if tokenizer.pad_token_id is None:
         tokenizer.pad_token = tokenizer.eos_token
     return tokenizer
@@ -184,10 +187,8 @@ def load_trainable_policy(model_name: str, device: str, lora_rank: int, lora_alp
 
     dtype = torch.bfloat16 if bf16_weights else torch.float32
     model, tokenizer = load_policy(model_name, device, dtype)  # a model that won't load stops the run (SetupError)
-    context = getattr(model.config, "max_position_embeddings", None)
-    if sequence_len and context and sequence_len > context:  # (vLLM refuses it; transformers runs past it without a word)
-        raise SetupError(f"--max-prompt-tokens plus --max-new-tokens ({sequence_len}) exceed {model_name}'s context of "
-                         f"{context} tokens; lower them")
+    if sequence_len:
+        check_context(model.config, sequence_len, model_name)
     config = LoraConfig(r=lora_rank, lora_alpha=lora_alpha, lora_dropout=0.0, target_modules=lora_targets(model), task_type="CAUSAL_LM")
     model = add_lora(model, config)
     if bf16_autocast:
@@ -197,15 +198,26 @@ def load_trainable_policy(model_name: str, device: str, lora_rank: int, lora_alp
     return model, tokenizer
 
 
+def check_context(config, sequence_len: int, model_name: str) -> None:
+    """SetupError where the longest prompt plus completion a run allows exceeds the model's context (vLLM refuses it at
+    its start; transformers generates past it without a word). A context stretched by RoPE scaling is left to the user."""
+    text = config.get_text_config()  # (a multimodal model's language part)
+    context = getattr(text, "max_position_embeddings", None)
+    rope = getattr(text, "rope_parameters", None) or getattr(text, "rope_scaling", None) or {}
+    if context and not rope.get("factor") and sequence_len > context:
+        raise SetupError(f"--max-prompt-tokens plus --max-new-tokens ({sequence_len}) exceed {model_name}'s context of "
+                         f"{context} tokens; lower them")
+
+
 def lora_targets(model) -> list[str]:
-    """The layers LoRA adapts: every linear map of the transformer blocks, by the last part of its name, the output head
-    left out (peft's "all-linear", named as a short list in adapter_config.json). On Llama and Qwen2: q_proj, k_proj,
-    v_proj, o_proj, gate_proj, up_proj, down_proj; on Phi-3 qkv_proj, o_proj, gate_up_proj, down_proj; on GPT-2 c_attn,
-    c_proj, c_fc (transformers' Conv1D)."""
+    """The layers LoRA adapts: every linear map of the decoder's blocks, by the last part of its name (peft's
+    "all-linear", named as a short list in adapter_config.json; peft adapts a layer of that name elsewhere too, as in a
+    vision tower). On Llama and Qwen2: q_proj, k_proj, v_proj, o_proj, gate_proj, up_proj, down_proj; on Phi-3
+    qkv_proj, o_proj, gate_up_proj, down_proj; on GPT-2 c_attn, c_proj, c_fc (transformers' Conv1D)."""
     from transformers.pytorch_utils import Conv1D
 
     head = model.get_output_embeddings()
-    return sorted({name.rsplit(".", 1)[-1] for name, module in model.named_modules()
+    return sorted({name.rsplit(".", 1)[-1] for name, module in model.get_decoder().named_modules()
                    if isinstance(module, (torch.nn.Linear, Conv1D)) and module is not head})
 
 

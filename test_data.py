@@ -135,8 +135,10 @@ def test_hub_unreachable_answers_within_its_limit_though_the_dns_lookup_hangs(mo
     monkeypatch.setattr(socket, "create_connection", refused)
     monkeypatch.delenv("NO_PROXY")
     assert data.hub_unreachable(timeout_s=10) == "proxy.example (the proxy) unreachable: [Errno 111] Connection refused"
-    monkeypatch.delenv("HTTPS_PROXY")
+    monkeypatch.setenv("HTTPS_PROXY", "socks5h://proxy.example")  # SOCKS' port, not HTTP's
     monkeypatch.setattr(socket, "create_connection", lambda address, timeout: asked.append(address) or socket.socket())
+    assert data.hub_unreachable(timeout_s=10) is None and asked.pop() == ("proxy.example", 1080)
+    monkeypatch.delenv("HTTPS_PROXY")
     monkeypatch.setenv("HF_DATASETS_OFFLINE", "1")  # `datasets` only: a model is still looked up on the hub
     assert data.hub_unreachable(timeout_s=10) is None and len(asked) == 5
     monkeypatch.setenv("HF_HUB_OFFLINE", "1")  # offline by choice: the hub is not asked

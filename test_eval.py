@@ -647,7 +647,7 @@ def test_eval_with_vllm_on_a_gpu_seeds_each_repeat_and_takes_the_memory_flags(ti
 
 def test_eval_refuses_vllm_flags_where_transformers_generates(tiny_run, tmp_path, capsys):
     assert evaluation.main(vllm_argv(tiny_run, tmp_path / "eval.json", "--backend", "hf", "--vllm-kv-cache-gb", "2", "--enforce-eager")) == 2
-    assert capsys.readouterr().err == ("error: --vllm-kv-cache-gb, --enforce-eager set vLLM, which this run does not use "
+    assert capsys.readouterr().err == ("error: --vllm-kv-cache-gb, --vllm-enforce-eager set vLLM, which this run does not use "
                                        "(--backend hf); leave them out\n")
 
 

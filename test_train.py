@@ -537,12 +537,15 @@ def test_a_run_directory_or_a_model_without_a_chat_template_or_context_for_the_r
     (base / "tokenizer_config.json").write_text(json.dumps({k: v for k, v in tokenizer_config.items() if k != "chat_template"}))
     for argv, said in ((["--model", str(run)], f"{run} is a training run (train.py's config.json), not a model: give its base "
                                                 "model (embedded); eval.py takes the run itself"),
-                       (["--model", str(base)], f"the tokenizer of {str(base)!r} has no chat template, which the prompts are "
-                                                 "written in: use an instruct or chat model (its -Instruct variant)"),
+                       (["--model", str(base)], f"the tokenizer of {str(base)!r} cannot write the prompts' chat (Cannot use chat "
+                                                 "template functions because tokenizer.chat_template is not set...): use an "
+                                                 "instruct or chat model whose template takes a system prompt"),
                        (["--model", str(tiny_model_dir), "--max-new-tokens", "600"],
                         f"--max-prompt-tokens plus --max-new-tokens (1112) exceed {tiny_model_dir}'s context of 1024 tokens; lower them")):
         assert train.main([*argv, "--dataset", "arith", "--out-dir", str(tmp_path / "out")]) == 2
-        assert capsys.readouterr().err == f"error: {said}\n"
+        start, _, end = said.partition("...")  # (transformers' own words, cut at 120 characters)
+        err = capsys.readouterr().err
+        assert err.startswith(f"error: {start}") and err.endswith(f"{end}\n") and err.count("\n") == 1, err
 
 
 def test_lora_adapts_every_linear_map_of_the_blocks_whatever_their_names(tmp_path):
@@ -1183,6 +1186,21 @@ def test_a_checkpoint_file_of_other_contents_stops_resume_in_one_line(tiny_model
         assert train.main(tiny_args(tiny_model_dir, out, "--steps", "3", "--resume")) == 1, name
         err = capsys.readouterr().err.strip().splitlines()
         assert err[-1].startswith(f"error: {out / 'checkpoint-2' / name} cannot be read (") and "Traceback" not in "".join(err)
+
+
+def test_a_checkpoint_that_adapts_other_layers_stops_resume_naming_both_and_not_as_damaged(tiny_model_dir, tmp_path, capsys, length_rewards):
+    """A run begun when LoRA's layers were a fixed list of Llama's names (on Phi-3: o_proj and down_proj alone) was
+    told its intact checkpoint "cannot be read ... delete" it, as was every checkpoint before it."""
+    out = tmp_path / "run"
+    assert train.main(tiny_args(tiny_model_dir, out, "--steps", "1")) == 0
+    adapter_config = out / "checkpoint-1" / "adapter_config.json"
+    adapter_config.write_text(json.dumps(json.loads(adapter_config.read_text()) | {"target_modules": ["o_proj", "down_proj"]}))
+    capsys.readouterr()
+    assert train.main(tiny_args(tiny_model_dir, out, "--steps", "2", "--resume")) == 1
+    assert capsys.readouterr().err.strip().splitlines()[-1] == (
+        f"error: {out / 'checkpoint-1'} adapts down_proj, o_proj, and this train.py adapts down_proj, gate_proj, k_proj, "
+        "o_proj, q_proj, up_proj, v_proj (every linear map of the decoder's blocks, since 30 November 2026): continue the "
+        "run with the commit that began it, or begin a new one")
 
 
 def test_a_resume_with_more_steps_keeps_the_runs_warm_up(tiny_model_dir, tmp_path, length_rewards):

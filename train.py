@@ -373,8 +373,8 @@ def main(argv: list[str] | None = None) -> int:
     transformers_logging.disable_progress_bar()  # "Loading weights" at every start
     args = config.parse_args(Args, argv, __doc__.split("\n")[0])
     world = distributed.world_from_env()
-    if not world.is_main:  # torchrun: rank 0 speaks for all (its warnings are theirs: each said once, not once a rank)
-        log.setLevel(logging.ERROR)
+    if not world.is_main:  # torchrun: rank 0 speaks for all (the others' warnings stay: a GPU of theirs may differ)
+        log.setLevel(logging.WARNING)
     try:
         out_dir = train(args, world)
         log.info("done: metrics in %s, checkpoints %s", out_dir / "metrics.jsonl", ", ".join(p.name for p in checkpoint.find(out_dir)[-3:]))

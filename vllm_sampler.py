@@ -379,7 +379,7 @@ def uses_vllm(backend: str, device: str) -> bool:
 
 
 def check_vllm_flags_used(backend: str, device: str, given: list[str]) -> None:
-    """vLLM's flags (`given`, as typed) refused in one line where transformers generates: they would be ignored, and
+    """vLLM's flags (`given`, by their names) refused in one line where transformers generates: they would be ignored, and
     a user who passed --vllm-sleep for memory would believe it took effect."""
     if given and not uses_vllm(backend, device):
         why = ("--backend hf" if backend == "hf" else "vLLM is not installed: pip install -r requirements-gpu.txt" if device == "cuda"
