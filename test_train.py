@@ -1032,6 +1032,14 @@ def test_a_non_finite_update_is_skipped_leaving_weights_and_optimizer_state_and_
         assert all(torch.equal(value[name], state_2["state"][key][name]) for name in ("step", "exp_avg", "exp_avg_sq"))
 
 
+def test_non_finite_updates_in_a_row_up_to_the_last_step_say_to_resume_with_more_steps(tiny_model_dir, tmp_path, monkeypatch, capsys, length_rewards):
+    """The limit reached at the run's last step: the advice, --resume alone, trained nothing and said done."""
+    nan_loss_on_steps(monkeypatch, {2, 3})
+    assert train.main(tiny_args(tiny_model_dir, tmp_path / "run", "--steps", "3", "--max-skipped-steps", "2")) == 1
+    assert capsys.readouterr().err.strip().endswith("(checkpoint-3): lower --lr or --max-grad-norm, or pass --no-bf16-autocast, "
+                                                    "then --resume with more --steps")
+
+
 def test_non_finite_updates_in_a_row_stop_the_run_with_one_line_and_a_checkpoint_of_the_last_good_weights(tiny_model_dir, tmp_path, monkeypatch, capsys, length_rewards):
     from safetensors.torch import load_file
 

@@ -176,7 +176,7 @@ def train_loop(args, model, tokenizer, optimizer, scheduler, sampler, stream, st
         if state["skipped_in_a_row"] >= args.max_skipped_steps:
             raise TrainingError(f"{state['skipped_in_a_row']} updates in a row had a non-finite loss or gradient norm and were skipped; "
                                 f"the last good weights are in {out_dir} (checkpoint-{state['step']}): lower --lr or "
-                                f"--max-grad-norm, or pass --no-bf16-autocast, then --resume")
+                                f"--max-grad-norm, or pass --no-bf16-autocast, then --resume{' with more --steps' * (state['step'] >= args.steps)}")
     finally:
         progress.restore_handlers(previous_handlers)  # only now: a Ctrl-C during the last save is still a first one
         bar.close()
