@@ -27,7 +27,8 @@ log = logging.getLogger("pods")
 
 
 def start_line(args, model_name: str, sampler, out_dir: Path, device: str, world: distributed.World = distributed.World()) -> str:
-    """What a run is, in one log line: model, task, generation backend, processes, where it is written."""
+    """What a run is, in one log line: model, task, generation backend, processes, under --time-budget the two limits
+    (--steps still ends a run first where its steps are fast: the bar, in minutes, then stops short), where it is written."""
     if isinstance(sampler, vllm_sampler.VLLMSampler):
         backend = "vLLM"
     else:
@@ -43,7 +44,8 @@ def start_line(args, model_name: str, sampler, out_dir: Path, device: str, world
                 else "; no GPU, so the embedded model (--model chooses another)")
     units = ("GPU", "GPUs") if device == "cuda" else ("process", "processes")
     ranks = f" on {world.size} {units[world.size > 1]} (DDP)" if world.launched else ""
-    return f"training {name} on {args.dataset} with {backend} generation{ranks}, writing {out_dir}{auto}"
+    until = f" until --steps {args.steps} or {args.time_budget:g} min of training, whichever is first" if args.time_budget else ""
+    return f"training {name} on {args.dataset} with {backend} generation{ranks}{until}, writing {out_dir}{auto}"
 
 
 def progress_bar(args, state: dict, world: distributed.World = distributed.World()):

@@ -252,6 +252,7 @@ def test_the_start_line_names_what_the_cpu_profile_chose_and_no_more():
     assert line(["--model", "m"]).endswith("writing out")
     assert " on 1 process (DDP)" in line([], distributed.World(launched=True))
     assert " on 2 processes (DDP)" in line([], distributed.World(size=2, launched=True))
+    assert " generation until --steps 100 or 360 min of training, whichever is first, writing out" in line(["--time-budget", "360"])
 
 
 def test_the_cpu_profiles_completion_length_on_gsm8k_style_data_is_warned_about(caplog):
