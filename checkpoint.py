@@ -177,8 +177,9 @@ def check_adapted_layers(path: Path, targets) -> None:
         saved = short(json.loads((path / "adapter_config.json").read_text()).get("target_modules") or ())
     except (OSError, ValueError, AttributeError):
         return  # (no adapter_config.json, or another kind: its weights are checked as they load)
-    if saved is not None and short(targets) is not None and saved != short(targets):
-        raise CheckpointError(f"{path} adapts {', '.join(sorted(saved))}, and this train.py adapts {', '.join(sorted(short(targets)))} "
+    ours = short(targets)
+    if saved is not None and ours is not None and saved != ours:
+        raise CheckpointError(f"{path} adapts {', '.join(sorted(saved))}, and this train.py adapts {', '.join(sorted(ours))} "
                               f"(every linear map of the decoder's blocks, since 30 November 2026): continue the run with the "
                               f"commit that began it, or begin a new one")
 

@@ -169,11 +169,12 @@ def hub_unreachable(timeout_s: float = 3.0) -> str | None:
     endpoint = urlparse(os.environ.get("HF_ENDPOINT", "https://huggingface.co"))
     host = endpoint.hostname or "huggingface.co"
     port = endpoint.port or (80 if endpoint.scheme == "http" else 443)
+    name = host  # what is asked, as the answer names it
     proxy = urllib.request.getproxies().get(endpoint.scheme or "https")  # HTTPS_PROXY and the like: the hub is reached through it
     if proxy and not urllib.request.proxy_bypass(host):
         via = urlparse(proxy if "://" in proxy else f"http://{proxy}")
         host, port = via.hostname or host, via.port or {"https": 443}.get(via.scheme, 1080 if via.scheme.startswith("socks") else 80)
-    name = f"{host} (the proxy)" if host != (endpoint.hostname or "huggingface.co") else host
+        name = f"{host} (the proxy)"
     answer = []
 
     def connect() -> None:

@@ -289,10 +289,11 @@ def make_vllm_sampler(model_path: str, tokenizer, prompts: list[list[int]], adap
     from transformers import AutoConfig
 
     context = getattr(AutoConfig.from_pretrained(model_path), "max_position_embeddings", None)
-    for adapter in adapters:  # refused now, not at its first generate call (the base model's evaluation done)
-        if problem := vllm_sampler.adapter_problem(adapter):
+    configs = {adapter: json.loads((adapter / "adapter_config.json").read_text()) for adapter in adapters}
+    for adapter, adapter_config in configs.items():  # refused now, not at its first generate call (the base model's evaluation done)
+        if problem := vllm_sampler.adapter_problem(adapter_config):
             raise EvalError(f"vLLM cannot serve {adapter}: it has {problem}; pass --backend hf")
-    lora_rank = max(map(vllm_sampler.adapter_rank, adapters), default=8)  # 8: any rank vLLM allows
+    lora_rank = max(map(vllm_sampler.adapter_rank, configs.values()), default=8)  # 8: any rank vLLM allows
     return vllm_sampler.VLLMSampler(
         model_path=model_path, tokenizer=tokenizer, max_new_tokens=settings.max_new_tokens,
         temperature=settings.temperature, lora_rank=lora_rank,

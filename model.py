@@ -95,9 +95,10 @@ def check_model_path(model: str) -> None:
         what = "a file" if path.is_file() else "a directory without config.json"
         raise SetupError(f"{model} is {what}, not a model: give a model directory (config.json and weights), a hub name "
                          f"(org/name) or {EMBEDDED!r}")
-    if model not in ("auto", EMBEDDED) and path.is_dir() and "model_resolved" in read_config(path / "config.json"):
+    trained = read_config(path / "config.json").get("model_resolved") if model not in ("auto", EMBEDDED) and path.is_dir() else None
+    if trained:
         raise SetupError(f"{model} is a training run (train.py's config.json), not a model: give its base model "
-                         f"({read_config(path / 'config.json')['model_resolved']}); eval.py takes the run itself")
+                         f"({trained}); eval.py takes the run itself")
 
 
 def read_config(path: Path) -> dict:

@@ -663,13 +663,12 @@ def test_eval_with_vllm_refuses_an_adapter_vllm_cannot_serve_before_its_engine_s
     assert not fake_vllm  # no engine started
 
 
-def test_an_adapters_rank_for_vllm_is_its_largest_and_what_vllm_refuses_is_named(tmp_path):
-    (tmp_path / "adapter_config.json").write_text(json.dumps({"r": 8, "rank_pattern": {"q_proj": 32}, "bias": "none"}))
-    assert (vllm_sampler.adapter_rank(tmp_path), vllm_sampler.adapter_problem(tmp_path)) == (32, None)
+def test_an_adapters_rank_for_vllm_is_its_largest_and_what_vllm_refuses_is_named():
+    adapter_config = {"r": 8, "rank_pattern": {"q_proj": 32}, "bias": "none"}
+    assert (vllm_sampler.adapter_rank(adapter_config), vllm_sampler.adapter_problem(adapter_config)) == (32, None)
     for config, problem in (({"r": 8, "bias": "lora_only"}, "trained biases (bias 'lora_only')"),
                             ({"r": 8, "modules_to_save": ["lm_head"]}, "fully trained modules (modules_to_save ['lm_head'])")):
-        (tmp_path / "adapter_config.json").write_text(json.dumps(config))
-        assert vllm_sampler.adapter_problem(tmp_path) == problem
+        assert vllm_sampler.adapter_problem(config) == problem
 
 
 def test_eval_vllm_max_model_len_is_the_longest_prompt_plus_max_new_tokens_within_the_context():

@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import fcntl
 import importlib.util
-import json
 import logging
 import math
 import os
@@ -387,10 +386,10 @@ def check_vllm_flags_used(backend: str, device: str, given: list[str]) -> None:
         raise SetupError(f"{', '.join(given)} set vLLM, which this run does not use ({why}); leave {'it' if len(given) == 1 else 'them'} out")
 
 
-def adapter_problem(path: Path) -> str | None:
-    """What in a saved adapter vLLM (0.25 and 0.32) refuses to serve, or None: it checks only when the adapter is
-    first used, inside generate, after its engine started and the base model was evaluated. train.py's adapters pass."""
-    config = json.loads((path / "adapter_config.json").read_text())
+def adapter_problem(config: dict) -> str | None:
+    """What in a saved adapter (its adapter_config.json) vLLM (0.25 and 0.32) refuses to serve, or None: it checks only
+    when the adapter is first used, inside generate, after its engine started and the base model was evaluated.
+    train.py's adapters pass."""
     if config.get("use_dora"):
         return "DoRA (use_dora)"
     if config.get("bias", "none") != "none":
@@ -400,9 +399,9 @@ def adapter_problem(path: Path) -> str | None:
     return None
 
 
-def adapter_rank(path: Path) -> int:
-    """The largest LoRA rank in a saved adapter (its r, or a larger one in rank_pattern): vLLM's slots must hold it."""
-    config = json.loads((path / "adapter_config.json").read_text())
+def adapter_rank(config: dict) -> int:
+    """The largest LoRA rank in a saved adapter's adapter_config.json (its r, or a larger one in rank_pattern): vLLM's
+    slots must hold it."""
     return max([config["r"], *(config.get("rank_pattern") or {}).values()])
 
 
