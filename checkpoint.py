@@ -276,14 +276,15 @@ RETUNABLE = (*OPTIMIZER_SETTINGS, "max_grad_norm", "warmup_ratio", "temperature"
              "tis_cap")  # --resume may change these (a warning says so): the same adapter and data, another objective or sampling
 
 
-def check_resume_config(out_dir: Path, args, world_size: int = 1, resumed_from: Path | None = None) -> None:
+def check_resume_config(out_dir: Path, args, world_size: int = 1, resumed_from: Path | None = None) -> list[str]:
     """--resume continues the same experiment: settings that shape the adapter or the data must not
     change, nor the number of processes. (The prompt order would survive another number: every rank
     draws the same global stream and takes its share. But each rank's random state is saved for its
     rank, and a rank that did not exist has none, so the run would not continue as it started.)
     A change of precision (PRECISION_FLAGS, e.g. a run moved to a CPU without bfloat16 arithmetic,
     whose defaults are float32) or of a RETUNABLE setting (e.g. a lower --lr after non-finite updates:
-    take_optimizer_settings) is allowed, with a warning; compared with the settings at `resumed_from` (settings_at)."""
+    take_optimizer_settings) is allowed, with a warning; compared with the settings at `resumed_from` (settings_at).
+    Returns those warnings, for the caller to print if the run trains on (a run at its --steps keeps its settings)."""
     path = out_dir / "config.json"
     if not path.exists():  # a checkpoint copied without it: nothing to check a changed --n or --lora-rank against
         raise config.UsageError(f"--resume: {out_dir} holds checkpoints but no config.json, the run's settings a resume must "
@@ -304,20 +305,22 @@ def check_resume_config(out_dir: Path, args, world_size: int = 1, resumed_from: 
     changed = [change(k) for k in differing(RESUME_MUST_MATCH)]
     if changed:
         raise config.UsageError(f"--resume with other settings than {path} ({', '.join(changed)}); pass the run's own values or choose another --out-dir")
+    warnings = []
     switched = differing(config.PRECISION_FLAGS)
     if switched:  # allowed (the same experiment), but not silently: e.g. a run moved to a CPU without bfloat16
         was = " ".join(config.flag_text(k, saved[k]) for k in switched)
         now = " ".join(config.flag_text(k, getattr(args, k)) for k in switched)
-        log.warning("--resume: %s trained with %s and continues with %s (this device's defaults or your flags): "
-                    "the steps from here compute in another precision; pass %s to keep the run's own", out_dir, was, now, was)
+        warnings.append(f"--resume: {out_dir} trained with {was} and continues with {now} (this device's defaults or your flags): "
+                        f"the steps from here compute in another precision; pass {was} to keep the run's own")
     retuned = [change(k) for k in differing(RETUNABLE)]
     if retuned:  # allowed (e.g. a lower --lr after non-finite updates), but not silently: a flag left out takes the default
-        log.warning("--resume: %s continues with other settings (%s); pass the run's own to keep them (config.json keeps the "
-                    "old ones under changed_on_resume)", out_dir, ", ".join(retuned))
+        warnings.append(f"--resume: {out_dir} continues with other settings ({', '.join(retuned)}); pass the run's own to keep "
+                        f"them (config.json keeps the old ones under changed_on_resume)")
     trained_with = saved.get("world_size", 1)
     if trained_with != world_size:
         raise config.UsageError(f"--resume with {world_size} process(es), but {out_dir} was trained with {trained_with}: "
                          f"each rank's random state is saved per rank; launch {trained_with} (torchrun --nproc_per_node) to continue it")
+    return warnings
 
 
 def settings_at(saved: dict, step: int) -> dict:

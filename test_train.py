@@ -79,7 +79,8 @@ def test_resume_drops_metrics_rows_after_the_checkpoint(tiny_model_dir, tmp_path
 
 def test_resume_with_fewer_steps_or_a_spent_time_budget_says_so_and_leaves_the_run_as_it_was(tiny_model_dir, tmp_path, caplog, length_rewards):
     """It said only "done", and config.json then gave the 2-step run --steps 1. Past its --time-budget, a resume that
-    left out a flag (here --temperature) wrote that setting into config.json, which eval.py then evaluated with."""
+    left out a flag (here --temperature) wrote that setting into config.json, which eval.py then evaluated with, and warned
+    that the run continued with it."""
     out = tmp_path / "run"
     assert train.main(tiny_args(tiny_model_dir, out, "--steps", "2", "--temperature", "0.7")) == 0
     before = (out / "config.json").read_text()
@@ -89,6 +90,7 @@ def test_resume_with_fewer_steps_or_a_spent_time_budget_says_so_and_leaves_the_r
                          "one continues it", caplog.text)
         assert train.main(tiny_args(tiny_model_dir, out, "--steps", "5", "--time-budget", "0.0001", "--resume")) == 0
         assert f"{out} is past --time-budget 0.0001 (step 2, " in caplog.text
+    assert "continues with other settings" not in caplog.text  # (--temperature 0.9 was left out, but nothing trains with it)
     assert (out / "config.json").read_text() == before and [r["step"] for r in read_metrics(out)] == [1, 2]
 
 

@@ -290,7 +290,7 @@ def train(args: Args, world: distributed.World = distributed.World()) -> Path:
     found = checkpoint.found_in(out_dir)
     resuming = checkpoint.continues(args.resume, out_dir, found)
     if resuming:
-        checkpoint.check_resume_config(out_dir, args, world.size, found[-1])
+        changes = checkpoint.check_resume_config(out_dir, args, world.size, found[-1])  # warnings, if it trains on
     config.check_torchrun(device, world)
     examples = data.load_examples(args.dataset, "train", seed=args.seed)  # a missing dataset or model path stops the run
     model_name = pick_model(args.model, device)  # here, before --out-dir is made (and --out-dir before the model loads)
@@ -324,6 +324,8 @@ def train(args: Args, world: distributed.World = distributed.World()) -> Path:
             log.info("resumed from %s: step %d, %.0f s of training", resume_from, state["step"], state["elapsed_s"])
             if progress.nothing_left(args, state):
                 log.info("%s", progress.nothing_left_line(args, state, out_dir))
+            for change in [] if progress.nothing_left(args, state) else changes:  # settings it trains on with, changed
+                log.warning("%s", change)
             sampler.update_weights(model)
         if world.is_main and not progress.nothing_left(args, state):  # a run already there keeps its config.json (its own settings)
             run_config = dataclasses.asdict(args) | {"model_resolved": model_name, "device": device, "torch": torch.__version__,
