@@ -105,15 +105,9 @@ def resolve(args, device: str, world_size: int = 1):
     prompts of a step divide among `world_size` processes)."""
     filled = {k: v for k, v in profile(device).items() if getattr(args, k) is None}
     forced = [flag_text(k, True) for k in BFLOAT16_FLAGS if getattr(args, k) and not model.computes_bfloat16(device)]
-    if forced:
-        log.warning("%s on a CPU that emulates bfloat16 (no AVX-512 BF16 or AMX): steps are several times slower "
-                    "than in float32, this CPU's default", " and ".join(forced))
     if args.dataset == "auto":  # the paper's task on a GPU; offline on a CPU, the task the embedded model can learn
         filled["dataset"] = data.GSM8K if device == "cuda" else data.ARITH
     args = dataclasses.replace(args, **filled)
-    if "max_new_tokens" in filled and device == "cpu" and data.arith_levels(args.dataset) is None:
-        log.warning("--max-new-tokens %d, the CPU profile's (sized for arith), cuts most GSM8K-style solutions off before "
-                    "their answer: pass --max-new-tokens 256 or more (the authors': 512)", args.max_new_tokens)
     for name, value in vars(args).items():  # NaN would pass every check below; inf is a limit left off, no rate or size
         if isinstance(value, float) and (math.isnan(value) or math.isinf(value) and name not in UNBOUNDED):
             raise UsageError(f"--{name.replace('_', '-')} {value} must be a {'number' if math.isnan(value) else 'finite number'}")
@@ -161,6 +155,12 @@ def resolve(args, device: str, world_size: int = 1):
     defaults = {f.name: f.default for f in dataclasses.fields(args)}
     vllm_sampler.check_vllm_flags_used(args.backend, device, [f"--{name.replace('_', '-')}" for name in VLLM_FLAGS
                                                                if getattr(args, name) != defaults[name]])
+    if forced:  # warnings last: a command with an error gets the error alone
+        log.warning("%s on a CPU that emulates bfloat16 (no AVX-512 BF16 or AMX): steps are several times slower "
+                    "than in float32, this CPU's default", " and ".join(forced))
+    if "max_new_tokens" in filled and device == "cpu" and data.arith_levels(args.dataset) is None:
+        log.warning("--max-new-tokens %d, the CPU profile's (sized for arith), cuts most GSM8K-style solutions off before "
+                    "their answer: pass --max-new-tokens 256 or more (the authors': 512)", args.max_new_tokens)
     return args
 
 

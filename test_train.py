@@ -266,6 +266,10 @@ def test_the_cpu_profiles_completion_length_on_gsm8k_style_data_is_warned_about(
         caplog.clear()
         config.resolve(config.parse_args(train.Args, argv), device)
         assert ("--max-new-tokens 32, the CPU profile's (sized for arith), cuts most GSM8K-style" in caplog.text) == warned, argv
+    caplog.clear()
+    with pytest.raises(config.UsageError, match="--m 5 must be <= --n 4"):  # a command with an error gets the error alone
+        config.resolve(config.parse_args(train.Args, ["--dataset", "gsm8k", "--bf16-autocast", "--n", "4", "--m", "5"]), "cpu")
+    assert caplog.text == ""
 
 
 def test_gsm8k_with_no_hub_fails_at_once_with_what_to_pass(monkeypatch):
