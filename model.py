@@ -179,17 +179,18 @@ def load_policy(model: str, device: str, dtype: torch.dtype):
 
 def load_trainable_policy(model_name: str, device: str, lora_rank: int, lora_alpha: int, bf16_weights: bool = False,
                           gradient_checkpointing: bool = False, bf16_autocast: bool = False, sequence_len: int | None = None):
-    """The policy with fresh LoRA adapters (rank `lora_rank`, no dropout) on all attention and MLP
-    projections; base weights in bfloat16 with `bf16_weights` (the GPU profile), the adapter in
-    float32 (peft keeps it so). With `bf16_autocast` (the CPU profile) the model is made for running
-    under bfloat16 autocast only: see frozen_weights_for_autocast. `sequence_len`: the longest prompt plus
-    completion the run makes, refused where the model's context is shorter."""
+    """The policy with fresh LoRA adapters (rank `lora_rank`) on all attention and MLP
+    projections, and no dropout anywhere (without_dropout); base weights in bfloat16 with `bf16_weights`
+    (the GPU profile), the adapter in float32 (peft keeps it so). With `bf16_autocast` (the CPU profile)
+    the model is made for running under bfloat16 autocast only: see frozen_weights_for_autocast.
+    `sequence_len`: the longest prompt plus completion the run makes, refused where the model's context is shorter."""
     from peft import LoraConfig
 
     dtype = torch.bfloat16 if bf16_weights else torch.float32
     model, tokenizer = load_policy(model_name, device, dtype)  # a model that won't load stops the run (SetupError)
     if sequence_len:
         check_context(model.config, sequence_len, model_name)
+    without_dropout(model)
     config = LoraConfig(r=lora_rank, lora_alpha=lora_alpha, lora_dropout=0.0, target_modules=lora_targets(model), task_type="CAUSAL_LM")
     model = add_lora(model, config)
     if bf16_autocast:
@@ -197,6 +198,18 @@ def load_trainable_policy(model_name: str, device: str, lora_rank: int, lora_alp
     if gradient_checkpointing:
         enable_activation_checkpointing(model)
     return model, tokenizer
+
+
+def without_dropout(model) -> None:
+    """Every dropout rate of the model set to 0: the update (in training mode, for activation checkpointing) must score
+    the rollouts under the policy that sampled them (in eval mode). GPT-2's default 0.1 made the log-prob ratio noise,
+    0.05 nats on average between sampler and trainer where rounding gives 1e-6. Llama and Qwen2 have none already."""
+    for module in model.modules():
+        if isinstance(module, torch.nn.Dropout):
+            module.p = 0.0
+        for name, value in list(vars(module).items()):  # attention's own rate, a number (Llama's attention_dropout)
+            if name.endswith("dropout") and isinstance(value, float):
+                setattr(module, name, 0.0)
 
 
 def check_context(config, sequence_len: int, model_name: str) -> None:

@@ -200,3 +200,24 @@ def test_batched_logprobs_with_padding_equal_unpadded_ones(tiny_model_dir):
             direct = torch.log_softmax(logits, -1).gather(-1, torch.tensor(r.completion_ids)[:, None]).squeeze(-1)
             assert torch.allclose(alone[0], direct, atol=1e-5)
     assert mask.tolist() == [[1, 1, 1, 0], [1, 0, 0, 0], [1, 1, 1, 1]]
+
+
+@pytest.mark.parametrize("kind", ["gpt2", "llama"])
+def test_a_model_with_dropout_is_updated_without_it(embedded_dir, tmp_path, kind):
+    """The update runs in training mode; GPT-2's dropout (0.1 by default) then scored the rollouts under a noisy policy,
+    not the sampled one: sampler gap mean 0.05, max 0.2. Llama's attention_dropout is a number of the attention module."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer, GPT2Config, LlamaConfig
+
+    tokenizer = AutoTokenizer.from_pretrained(embedded_dir)
+    config = (GPT2Config(vocab_size=len(tokenizer), n_embd=32, n_layer=2, n_head=2) if kind == "gpt2" else
+              LlamaConfig(vocab_size=len(tokenizer), hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=2,
+                          attention_dropout=0.3))
+    torch.manual_seed(0)
+    AutoModelForCausalLM.from_config(config).save_pretrained(tmp_path)
+    tokenizer.save_pretrained(tmp_path)
+    model, tokenizer = models.load_trainable_policy(str(tmp_path), "cpu", lora_rank=4, lora_alpha=8)
+    sampler = sampling.HFSampler(model, tokenizer, max_new_tokens=8, temperature=0.9, merged=False)
+    rollouts = [r for group in sampler.generate([[5, 6, 7, 8], [9, 10, 11]], 4) for r in group]
+    stats, _ = update_at_lr_0(model, rollouts, torch.randn(len(rollouts)), update.UpdateSettings(micro_batch=8, max_grad_norm=1e9),
+                              tokenizer.pad_token_id)
+    assert stats["sampler_gap_max"] < 1e-4
