@@ -133,10 +133,16 @@ def load(path: Path, model, optimizer, scheduler, rng: np.random.Generator,
         state = json.loads((path / "trainer_state.json").read_text())
     except (OSError, UnicodeDecodeError, ValueError) as err:
         raise unreadable(path, "trainer_state.json", err) from None
+    check_trainer_state(path, state)
+    return state
+
+
+def check_trainer_state(path: Path, state) -> None:
+    """The one line of `unreadable` unless checkpoint `path`'s trainer_state.json holds a step, elapsed_s and data_position
+    that are numbers."""
     if not (isinstance(state, dict) and all(is_number(state.get(key), kind)
                                             for key, kind in (("step", int), ("elapsed_s", (int, float)), ("data_position", int)))):
         raise unreadable(path, "trainer_state.json", ValueError("not a step, elapsed_s and data_position that are numbers"))
-    return state
 
 
 def set_random_state(mine: dict, rng: np.random.Generator) -> None:
@@ -185,10 +191,16 @@ def check_adapted_layers(path: Path, targets) -> None:
 
 
 def check_adapter(path: Path) -> None:
-    """Stop in one line where checkpoint `path`'s adapter weights cannot be read: safetensors checks their header
-    and the file's length, without reading the weights. (An adapter saved in another format is left to its loader.)"""
+    """Stop in one line where checkpoint `path`'s adapter cannot be read: its adapter_config.json is no JSON object, or
+    safetensors finds the weights' header or the file's length wrong (without reading the weights). (An adapter saved
+    in another format is left to its loader.)"""
     from safetensors import SafetensorError, safe_open
 
+    try:
+        if os.path.lexists(path / "adapter_config.json") and not isinstance(json.loads((path / "adapter_config.json").read_text()), dict):
+            raise ValueError("not a JSON object")
+    except (OSError, UnicodeDecodeError, ValueError) as err:
+        raise unreadable(path, "adapter_config.json", err) from None
     weights = path / "adapter_model.safetensors"
     if not os.path.lexists(weights):
         return

@@ -108,9 +108,10 @@ class VLLMOptions:
 
 def find_targets(path: str) -> tuple[str, list[Target], Path | None]:
     """(base model, targets in order, run directory or None) for a run dir, checkpoint or model."""
-    p = Path(path)
+    p = absolute(path)
     if (p / "adapter_config.json").exists():
-        return base_model_of(p), [target_of(p)], None
+        target = target_of(p)  # (checked first: a damaged adapter_config.json stops in one line)
+        return base_model_of(p), [target], None
     if p.is_dir() and (p / "config.json").exists() and "model_resolved" in plot.read_json(p / "config.json", "copy the run (or model) again"):
         found = checkpoint.find(p, needs=("adapter_model.safetensors", "adapter_config.json", "trainer_state.json"))
         if not found:
@@ -130,6 +131,8 @@ def target_of(path: Path) -> Target:
     if not state_file.exists() and path.name.startswith("checkpoint-"):  # train.py's, in part: at 0 it would be a wrong point
         raise EvalError(f"{path} has no trainer_state.json, so its step and training time are unknown; copy the checkpoint again")
     state = plot.read_json(state_file, "copy the checkpoint again") if state_file.exists() else {}
+    if "step" in state or "elapsed_s" in state:  # train.py's (another trainer's, such as transformers' global_step, reads as 0)
+        checkpoint.check_trainer_state(path, state)  # a step "2" ended in a traceback once evaluated; elapsed_s null in results
     return Target(path.name, path, state.get("step", 0), state.get("elapsed_s", 0.0))
 
 
@@ -196,7 +199,7 @@ def evaluate(path: str, settings: Settings, out: str | None, force: bool, backen
     reuse_base = not force and cache.exists() and any(t.adapter is None for t in todo)
     log.info("%d to evaluate, %d already in %s", len(todo), len(targets) - len(todo), out_path)
     if reuse_base:
-        done.append(plot.read_json(cache, "delete it, or pass --force to evaluate the base model again"))
+        done.append(results.read_base_cache(cache))
         todo = [t for t in todo if t.adapter is not None]
         results.write_results(out_path, key, done)
         log.info("base model: result reused from %s (--force re-evaluates it)", cache)
@@ -206,13 +209,17 @@ def evaluate(path: str, settings: Settings, out: str | None, force: bool, backen
     adapters = [t.adapter for t in targets if t.adapter is not None]
     use_vllm = vllm_sampler.uses_vllm(backend, device)
     if use_vllm:  # vLLM loads the weights itself: here only the tokenizer (no network: both from the model's cached directory)
+        from transformers import AutoConfig
+
         model_path = models.local_model_path(base)
-        model, tokenizer = None, models.load_tokenizer(model_path)
+        model, tokenizer, model_config = None, models.load_tokenizer(model_path), AutoConfig.from_pretrained(model_path)
     else:
         model, tokenizer = load_hf_model(base, adapters, device)
+        model_config = model.config
     prompts = [sampling.build_prompt(tokenizer, e.question) for e in examples]
+    sequence_len = checked_sequence_len(prompts, settings.max_new_tokens, models.context_length(model_config))
     if use_vllm:
-        sampler = make_vllm_sampler(model_path, tokenizer, prompts, adapters, settings, options)
+        sampler = make_vllm_sampler(model_path, tokenizer, sequence_len, adapters, settings, options)
     else:
         # as train.py generates: a copy with the adapter merged in, bfloat16, or float32 where the CPU emulates bfloat16
         # (rounded once from the float32 base: train.py's copy rounds from its bfloat16-stored one, a hair further from W + BA)
@@ -245,8 +252,8 @@ def evaluate_targets(todo: list[Target], model, sampler, adapters: list[Path], p
                 sampler.update_weights(model)  # transformers: the sampler's merged copy takes these weights
             result = evaluate_target(sampler, target, prompts, examples, settings, request_seeds)
         result["model"] = base  # what is_result_of matches on
-        done.append(result)
-        results.write_results(out_path, key, done)  # after every checkpoint: an interrupted eval keeps its work
+        results.write_results(out_path, key, [*done, result])  # after every checkpoint: an interrupted eval keeps its work
+        done.append(result)  # (only once written: an interrupt names what is saved)
         if target.adapter is None:
             cache.parent.mkdir(parents=True, exist_ok=True)
             checkpoint.write_atomic(cache, json.dumps(result))
@@ -274,9 +281,10 @@ def load_hf_model(base: str, adapters: list[Path], device: str):
     return model, tokenizer
 
 
-def vllm_max_model_len(prompts: list[list[int]], max_new_tokens: int, context: int | None) -> int:
-    """The longest prompt plus max_new_tokens: the sequence length vLLM must hold. Within the
-    model's context, or an EvalError (vLLM fails the whole batch on one prompt that is too long)."""
+def checked_sequence_len(prompts: list[list[int]], max_new_tokens: int, context: int | None) -> int:
+    """The longest prompt plus max_new_tokens: the sequence length generation must hold (vLLM's max_model_len). Within
+    the model's context, or an EvalError: vLLM fails the whole batch on one prompt that is too long, and transformers
+    generates past the context without a word."""
     too_long = [len(p) for p in prompts if context is not None and len(p) + max_new_tokens > context]
     if too_long:
         raise EvalError(f"{len(too_long)} of {len(prompts)} prompts (up to {max(too_long)} tokens) plus --max-new-tokens "
@@ -284,11 +292,8 @@ def vllm_max_model_len(prompts: list[list[int]], max_new_tokens: int, context: i
     return max(len(p) for p in prompts) + max_new_tokens
 
 
-def make_vllm_sampler(model_path: str, tokenizer, prompts: list[list[int]], adapters: list[Path], settings: Settings,
+def make_vllm_sampler(model_path: str, tokenizer, sequence_len: int, adapters: list[Path], settings: Settings,
                       options: VLLMOptions):
-    from transformers import AutoConfig
-
-    context = getattr(AutoConfig.from_pretrained(model_path), "max_position_embeddings", None)
     configs = {adapter: json.loads((adapter / "adapter_config.json").read_text()) for adapter in adapters}
     for adapter, adapter_config in configs.items():  # refused now, not at its first generate call (the base model's evaluation done)
         if problem := vllm_sampler.adapter_problem(adapter_config):
@@ -297,7 +302,7 @@ def make_vllm_sampler(model_path: str, tokenizer, prompts: list[list[int]], adap
     return vllm_sampler.VLLMSampler(
         model_path=model_path, tokenizer=tokenizer, max_new_tokens=settings.max_new_tokens,
         temperature=settings.temperature, lora_rank=lora_rank,
-        max_model_len=vllm_max_model_len(prompts, settings.max_new_tokens, context),
+        max_model_len=sequence_len,
         gpu_memory_utilization=options.gpu_memory_utilization, dtype="bfloat16", seed=settings.seed,
         max_num_seqs=VLLM_MAX_NUM_SEQS, kv_cache_gb=options.kv_cache_gb, enforce_eager=options.enforce_eager,
     )
@@ -306,9 +311,16 @@ def make_vllm_sampler(model_path: str, tokenizer, prompts: list[list[int]], adap
 # ----------------------------------------------------------------------------- CLI
 
 
+def absolute(path: str | Path) -> Path:
+    """A path that exists, made absolute (a hub name as given): "." inside a checkpoint then has a name, and the run
+    as its parent, whose config.json gives the settings it trained with (eval.py . took arith's defaults)."""
+    return Path(os.path.abspath(path)) if Path(path).exists() else Path(path)
+
+
 def run_config(path: str | Path) -> dict:
     """config.json of the run that PATH is (or is a checkpoint of); {} for a base model."""
-    for file in (Path(path) / "config.json", Path(path).parent / "config.json"):
+    path = absolute(path)
+    for file in (path / "config.json", path.parent / "config.json"):
         found = plot.read_json(file, "copy the run (or model) again") if file.exists() else {}
         if "model_resolved" in found:  # train.py's config, not a model's own config.json
             return found

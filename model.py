@@ -214,13 +214,19 @@ def without_dropout(model) -> None:
 
 def check_context(config, sequence_len: int, model_name: str) -> None:
     """SetupError where the longest prompt plus completion a run allows exceeds the model's context (vLLM refuses it at
-    its start; transformers generates past it without a word). A context stretched by RoPE scaling is left to the user."""
-    text = config.get_text_config()  # (a multimodal model's language part)
-    context = getattr(text, "max_position_embeddings", None)
-    rope = getattr(text, "rope_parameters", None) or getattr(text, "rope_scaling", None) or {}
-    if context and not rope.get("factor") and sequence_len > context:
+    its start; transformers generates past it without a word)."""
+    context = context_length(config)
+    if context and sequence_len > context:
         raise SetupError(f"--max-prompt-tokens plus --max-new-tokens ({sequence_len}) exceed {model_name}'s context of "
                          f"{context} tokens; lower them")
+
+
+def context_length(config) -> int | None:
+    """The model's context in tokens from its config (a multimodal model's language part); None where unknown or
+    stretched by RoPE scaling, which is left to the user."""
+    text = config.get_text_config()
+    rope = getattr(text, "rope_parameters", None) or getattr(text, "rope_scaling", None) or {}
+    return None if rope.get("factor") else getattr(text, "max_position_embeddings", None)
 
 
 def lora_targets(model) -> list[str]:

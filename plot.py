@@ -109,7 +109,7 @@ def read_json(path: Path, fix: str) -> dict:
     """A run's JSON file (config.json, eval-*.json) as a dict; a damaged one stops with `fix`."""
     try:
         found = json.loads(path.read_text())
-    except (ValueError, UnicodeDecodeError):
+    except (OSError, ValueError, UnicodeDecodeError):  # (a directory in its place, no permission)
         found = None
     if not isinstance(found, dict):
         raise PlotError(f"{path} is damaged (not a JSON object); {fix}")
@@ -120,7 +120,7 @@ def read_results(path: Path, fix: str) -> dict:
     """eval.py's results file: JSON with its settings and results; anything else (damaged, another file) stops with `fix`."""
     try:
         stored = json.loads(path.read_text())
-    except (ValueError, UnicodeDecodeError):
+    except (OSError, ValueError, UnicodeDecodeError):  # (a directory in its place, no permission)
         stored = None
     if not (isinstance(stored, dict) and isinstance(stored.get("settings"), dict) and isinstance(stored.get("results"), list)):
         raise PlotError(f"{path} is not eval.py's results (JSON with settings and results); {fix}")

@@ -52,6 +52,9 @@ def load_results(out: Path, settings: dict, force: bool) -> list[dict]:
     replace it."""
     if out.is_dir():
         raise ResultsError(f"--out {out} is a directory; name the results file, e.g. {out / results_name(settings['dataset'])}")
+    if out.suffix.lower() == ".csv":  # the table written beside the results would replace them
+        raise ResultsError(f"--out {out} names the .csv table eval.py writes beside its results; name the results, e.g. "
+                           f"{out.with_suffix('.json')}")
     if not out.exists():
         return []
     stored = plot.read_results(out, "choose another --out, or delete it if it is a damaged one")
@@ -70,13 +73,13 @@ def write_results(out: Path, settings: dict, results: list[dict]) -> None:
     # (rows stored or cached before one repeat had no standard error said 0.0: every row's is recomputed)
     results = sorted(({**r, "accuracy_se": standard_error(r["accuracies"])} if "accuracies" in r else r for r in results),
                      key=lambda r: r["step"])
-    checkpoint.write_atomic(out, json.dumps({"settings": settings, "results": results}, indent=2))
     table = io.StringIO()
     writer = csv.writer(table)
     writer.writerow(["checkpoint", "step", "elapsed_s", "accuracy", "accuracy_se", "format_rate"])
     for r in results:
         writer.writerow([r["checkpoint"], r["step"], r["elapsed_s"], r["accuracy"], r["accuracy_se"], r["format_rate"]])
     checkpoint.write_atomic(out.with_suffix(".csv"), table.getvalue())
+    checkpoint.write_atomic(out, json.dumps({"settings": settings, "results": results}, indent=2))  # last: the JSON decides what is done
 
 
 def source_digest(module) -> str:
@@ -110,3 +113,16 @@ def base_cache_file(base: str, key: dict) -> Path:
     changes (so that a run's base point comes from the code its checkpoints do)."""
     text = json.dumps({"model": base, **key, **generation_code()}, sort_keys=True)
     return BASE_CACHE / f"{hashlib.sha256(text.encode()).hexdigest()[:16]}.json"
+
+
+def read_base_cache(cache: Path) -> dict:
+    """The base model's cached result (base_cache_file); a damaged one stops in one line naming it (a NaN accuracy
+    was taken into every results file made from it, each then refused)."""
+    fix = "delete it, or pass --force to evaluate the base model again"
+    cached = plot.read_json(cache, fix)
+    problem = plot.row_problem(cached)
+    if problem is None and not ("format_rate" in cached and ("accuracies" in cached or "accuracy_se" in cached)):
+        problem = "without its format rate and standard error"
+    if problem:
+        raise ResultsError(f"{cache}, the base model's cached result, is a row {problem}; {fix}")
+    return cached

@@ -15,6 +15,7 @@ import numpy as np
 import pytest
 import torch
 
+import checkpoint
 import data
 import decode
 import eval as evaluation  # eval.py; `eval` is a builtin name
@@ -671,22 +672,25 @@ def test_an_adapters_rank_for_vllm_is_its_largest_and_what_vllm_refuses_is_named
         assert vllm_sampler.adapter_problem(config) == problem
 
 
-def test_eval_vllm_max_model_len_is_the_longest_prompt_plus_max_new_tokens_within_the_context():
+def test_eval_sequence_len_is_the_longest_prompt_plus_max_new_tokens_within_the_context():
     prompts = [[1] * 10, [1] * 30, [1] * 50]
-    assert evaluation.vllm_max_model_len(prompts, 20, context=70) == 70
-    assert evaluation.vllm_max_model_len(prompts, 20, context=None) == 70
+    assert evaluation.checked_sequence_len(prompts, 20, context=70) == 70
+    assert evaluation.checked_sequence_len(prompts, 20, context=None) == 70
     with pytest.raises(evaluation.EvalError) as err:
-        evaluation.vllm_max_model_len(prompts, 40, context=64)
+        evaluation.checked_sequence_len(prompts, 40, context=64)
     assert str(err.value) == "2 of 3 prompts (up to 50 tokens) plus --max-new-tokens 40 exceed the model's context of 64 tokens; lower --max-new-tokens"
 
 
-def test_eval_with_vllm_exits_2_in_one_line_when_prompts_do_not_fit_the_context(tiny_run, tmp_path, fake_vllm, capsys):
-    assert evaluation.main(vllm_argv(tiny_run, tmp_path / "eval.json", "--backend", "vllm", "--max-new-tokens", "1000")) == 2
+@pytest.mark.parametrize("backend", ["vllm", "hf"])
+def test_eval_exits_2_in_one_line_when_prompts_do_not_fit_the_context(tiny_run, tmp_path, request, capsys, backend):
+    """transformers generated past the context without a word, and stored the results."""
+    fake_vllm = request.getfixturevalue("fake_vllm") if backend == "vllm" else []
+    assert evaluation.main(vllm_argv(tiny_run, tmp_path / "eval.json", "--backend", backend, "--max-new-tokens", "1000")) == 2
     longest = longest_prompt(tiny_run, 4)  # the tiny model's context is 1024 tokens
     assert capsys.readouterr().err.splitlines()[-1] == (
         f"error: 4 of 4 prompts (up to {longest} tokens) plus --max-new-tokens 1000 exceed the model's context of 1024 tokens; "
         "lower --max-new-tokens")
-    assert not fake_vllm  # no engine started
+    assert not fake_vllm and not (tmp_path / "eval.json").exists()  # no engine started, nothing evaluated
 
 
 def test_eval_with_backend_vllm_but_no_vllm_exits_2(tiny_run, tmp_path, fake_vllm, monkeypatch, capsys):
@@ -896,3 +900,72 @@ def test_eval_of_a_model_itself_writes_its_results_in_the_current_directory(tiny
     with caplog.at_level("INFO", logger="pods"):
         assert evaluation.main(argv) == 0
     assert f"0 to evaluate, 1 already in {Path('eval-arith.json')}" in caplog.text
+
+
+def test_eval_of_dot_inside_a_checkpoint_takes_the_runs_settings_and_name(tiny_run, tmp_path, monkeypatch):
+    """Path(".").parent is ".": the run's config.json was not found, so arith's defaults were taken (32 new tokens
+    where the run trained with 6), and the row was named ""."""
+    out = tmp_path / "e.json"
+    monkeypatch.chdir(tiny_run / "checkpoint-2")
+    assert evaluation.main([".", "--limit", "2", "--repeats", "1", "--out", str(out)]) == 0
+    stored = json.loads(out.read_text())
+    assert stored["settings"]["max_new_tokens"] == 6 and [r["checkpoint"] for r in stored["results"]] == ["checkpoint-2"]
+
+
+@pytest.mark.parametrize("written", ["table", "results"])
+def test_an_interrupt_while_results_are_written_leaves_the_results_deciding_what_is_done(tiny_run, tmp_path, monkeypatch, capsys, written):
+    """The JSON was written before the CSV: an interrupt between them left a CSV short for good (a rerun found nothing to
+    do). And a checkpoint counted as done before its write was named "saved" by an interrupt during it."""
+    def ctrl_c():
+        raise KeyboardInterrupt
+
+    out = tmp_path / "e.json"
+    argv = [str(tiny_run), "--dataset", "arith", "--limit", "2", "--repeats", "1", "--max-new-tokens", "3", "--out", str(out), "--force"]
+    writes = {"table": 6, "results": 7}  # base: table, results, cache; checkpoint-1: table, results; checkpoint-2: ...
+    interrupt_call(monkeypatch, checkpoint, "write_atomic", writes[written], ctrl_c)
+    assert evaluation.main(argv) == 130
+    assert capsys.readouterr().err.strip().splitlines()[-1] == (f"interrupted: base, checkpoint-1 saved in {out}; run again "
+                                                                f"(without --force) for the rest")
+    assert [r["checkpoint"] for r in json.loads(out.read_text())["results"]] == ["base", "checkpoint-1"]
+    assert evaluation.main(argv[:-1]) == 0
+    assert [line.split(",")[0] for line in out.with_suffix(".csv").read_text().splitlines()[1:]] == ["base", "checkpoint-1", "checkpoint-2"]
+
+
+def test_eval_refuses_damaged_inputs_in_one_line(tiny_run, tmp_path, monkeypatch, capsys):
+    """Each ended in a traceback (or stored a row that every later run refused): a trainer_state.json whose step is a
+    string or whose elapsed_s is null, a truncated adapter_config.json, a directory where a JSON file belongs, --out
+    naming the .csv written beside the results (which then replaced them), a damaged cache of the base model's result."""
+    run = tmp_path / "run"
+    shutil.copytree(tiny_run, run, ignore=shutil.ignore_patterns("eval-*"))
+    argv = ["--dataset", "arith", "--limit", "2", "--repeats", "1", "--max-new-tokens", "3", "--out", str(tmp_path / "e.json")]
+    state_file = run / "checkpoint-2" / "trainer_state.json"
+    state = json.loads(state_file.read_text())
+    adapter_config = run / "checkpoint-1" / "adapter_config.json"
+    complete = adapter_config.read_text()
+
+    def refused(path, *extra) -> str:
+        assert evaluation.main([str(path), *argv, *extra]) == 2
+        err = capsys.readouterr().err
+        assert err.count("\n") == 1 and not (tmp_path / "e.json").exists(), err
+        return err
+
+    for damaged in ({"step": "2"}, {"elapsed_s": None}):
+        state_file.write_text(json.dumps(state | damaged))
+        assert refused(run).startswith(f"error: {state_file} cannot be read (not a step, elapsed_s and data_position that are numbers)")
+    state_file.write_text(json.dumps(state))
+    adapter_config.write_text(complete[:30])
+    for path in (run, run / "checkpoint-1"):
+        assert refused(path).startswith(f"error: {adapter_config} cannot be read (")
+    adapter_config.write_text(complete)
+    assert refused(run, "--out", str(tmp_path / "e.csv")) == (f"error: --out {tmp_path / 'e.csv'} names the .csv table eval.py "
+                                                              f"writes beside its results; name the results, e.g. {tmp_path / 'e.json'}\n")
+    (run / "eval-arith.json").mkdir()
+    assert evaluation.main(["--plot", str(run), "--out", str(tmp_path / "f.png")]) == 2
+    assert capsys.readouterr().err.startswith(f"error: {run / 'eval-arith.json'} is not eval.py's results")
+    monkeypatch.setattr(results, "BASE_CACHE", tmp_path / "cache")
+    assert evaluation.main([str(run), *argv]) == 0  # the base model's result is cached: damage it
+    (cache,), _ = results.BASE_CACHE.iterdir(), capsys.readouterr()
+    cache.write_text(json.dumps(json.loads(cache.read_text()) | {"accuracy": None}))
+    (tmp_path / "e.json").unlink()
+    assert refused(run) == (f"error: {cache}, the base model's cached result, is a row whose accuracy is not a number; delete it, "
+                            f"or pass --force to evaluate the base model again\n")
