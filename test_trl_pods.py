@@ -118,6 +118,7 @@ def evaluate_adapter(trainer, adapter: Path) -> None:
     ({}, 4, "best", "rule='best' is not a down-sampling rule; choose one of max_reward, max_variance, random"),
     ({}, 1, "max_variance", "m=1 must be between 2 (grpo.group_advantages needs two kept rewards per prompt) and num_generations=8"),
     ({}, 9, "max_variance", "m=9 must be between 2"),
+    ({}, 4.0, "max_variance", "m=4.0 must be a whole number: the rollouts kept per prompt"),  # (an IndexError at the first step)
     # as on one of several processes: GRPOConfig itself checks only the global generation batch
     ({"per_device_train_batch_size": 3, "steps_per_generation": 4}, 4, "max_variance",
      "per_device_train_batch_size=3 x steps_per_generation=4 = 12 rollouts per process is not a multiple of num_generations=8"),
@@ -126,7 +127,7 @@ def evaluate_adapter(trainer, adapter: Path) -> None:
     ({"scale_rewards": "none"}, 4, "max_variance", "scale_rewards='none': PODS recomputes advantages"),
     ({"scale_rewards": "batch"}, 4, "max_variance", "set scale_rewards='group'"),
     ({"multi_objective_aggregation": "normalize_then_sum"}, 4, "max_variance", "set multi_objective_aggregation='sum_then_normalize'"),
-], ids=["unknown-rule", "m-below-2", "m-above-n", "group-across-processes", "uneven-micro-batches", "scale-none", "scale-batch",
+], ids=["unknown-rule", "m-below-2", "m-above-n", "m-not-whole", "group-across-processes", "uneven-micro-batches", "scale-none", "scale-batch",
         "normalize-then-sum"])
 def test_check_config_refuses_settings_that_would_break_down_sampling_with_one_line(trl_pods, tmp_path, overrides, m, rule, message):
     args = grpo_config(tmp_path, num_generations=8, per_device_train_batch_size=8)  # 8 x 2 steps: 2 prompts x 8 rollouts

@@ -63,6 +63,7 @@ from __future__ import annotations
 
 import dataclasses
 import inspect
+import numbers
 
 import numpy as np
 import torch
@@ -112,6 +113,8 @@ def check_config(args: GRPOConfig, m: int, rule: str) -> None:
     n, B, S = args.num_generations, args.per_device_train_batch_size, args.steps_per_generation
     if rule not in pods.RULES:
         raise ValueError(f"rule={rule!r} is not a down-sampling rule; choose one of {', '.join(sorted(pods.RULES))}")
+    if isinstance(m, bool) or not isinstance(m, numbers.Integral):  # m=3.0 passed the checks and failed at the first step
+        raise ValueError(f"m={m!r} must be a whole number: the rollouts kept per prompt")
     if not 2 <= m <= n:
         raise ValueError(f"m={m} must be between 2 (grpo.group_advantages needs two kept rewards per prompt) "
                          f"and num_generations={n}")

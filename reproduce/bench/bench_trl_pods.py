@@ -103,7 +103,7 @@ def run(name: str, m: int, args, model_path: str) -> list[dict]:
     accumulation = PROMPTS_PER_STEP * N // args.micro_batch
     config = GRPOConfig(
         output_dir=args.out_dir, use_cpu=True, bf16=False, fp16=False,
-        activation_checkpointing=False,  # transformers 5.23's name for gradient_checkpointing (TRL defaults it on)
+        **trl_pods.activation_checkpointing(False),  # off, by the name this transformers takes (TRL defaults it on)
         learning_rate=1e-4, max_steps=args.max_steps, per_device_train_batch_size=args.micro_batch,
         gradient_accumulation_steps=accumulation, num_generations=N, num_iterations=1, beta=0.0, loss_type="grpo",
         max_completion_length=args.max_new_tokens, temperature=0.9, top_p=1.0, top_k=0, use_vllm=False,
