@@ -126,9 +126,10 @@ def benchmark(args: train.Args, repeats: int = 2) -> list[dict]:
     if args.resume == "yes" and not found:
         raise config.UsageError(f"--resume: no checkpoint-STEP directory in {args.out_dir}")
     if found:  # a trained policy: the adapter of --out-dir's last checkpoint, on the model and LoRA shape it trained
-        checkpoint.check_resumed_model(Path(args.out_dir), model_name)
         saved = Path(args.out_dir) / "config.json"
         trained = json.loads(saved.read_text()) if saved.exists() else {}
+        if "model_resolved" in trained:
+            checkpoint.check_resumed_model(Path(args.out_dir), trained["model_resolved"], model_name)
         for name in ("lora_rank", "lora_alpha"):
             if trained.get(name, getattr(args, name)) != getattr(args, name):
                 raise config.UsageError(f"--resume: {args.out_dir} trained with --{name.replace('_', '-')} {trained[name]}; pass it")

@@ -288,7 +288,8 @@ RETUNABLE = (*OPTIMIZER_SETTINGS, "max_grad_norm", "warmup_ratio", "temperature"
              "tis_cap")  # --resume may change these (a warning says so): the same adapter and data, another objective or sampling
 
 
-def check_resume_config(out_dir: Path, args, world_size: int = 1, resumed_from: Path | None = None) -> list[str]:
+def check_resume_config(out_dir: Path, args, world_size: int = 1, resumed_from: Path | None = None,
+                        model_name: str | None = None) -> list[str]:
     """--resume continues the same experiment: settings that shape the adapter or the data must not
     change, nor the number of processes. (The prompt order would survive another number: every rank
     draws the same global stream and takes its share. But each rank's random state is saved for its
@@ -296,6 +297,7 @@ def check_resume_config(out_dir: Path, args, world_size: int = 1, resumed_from: 
     A change of precision (PRECISION_FLAGS, e.g. a run moved to a CPU without bfloat16 arithmetic,
     whose defaults are float32) or of a RETUNABLE setting (e.g. a lower --lr after non-finite updates:
     take_optimizer_settings) is allowed, with a warning; compared with the settings at `resumed_from` (settings_at).
+    The model is compared as `model_name`, the one --model resolves to (check_resumed_model).
     Returns those warnings, for the caller to print if the run trains on (a run at its --steps keeps its settings)."""
     path = out_dir / "config.json"
     if not path.exists():  # a checkpoint copied without it: nothing to check a changed --n or --lora-rank against
@@ -304,6 +306,11 @@ def check_resume_config(out_dir: Path, args, world_size: int = 1, resumed_from: 
     saved = {"uniform_groups": "keep"} | json.loads(path.read_text())  # a run from before --uniform-groups kept them
     if resumed_from is not None:  # the settings as they were at the checkpoint it continues from
         saved = settings_at(saved, int(resumed_from.name.split("-")[-1]))
+
+    must_match = RESUME_MUST_MATCH
+    if model_name is not None and "model_resolved" in saved:  # the model as resolved, not --model as typed
+        check_resumed_model(out_dir, saved["model_resolved"], model_name)
+        must_match = tuple(k for k in must_match if k != "model")
 
     def differing(names: tuple[str, ...]) -> list[str]:  # those of `names` the run saved with another value
         return [k for k in names if k in saved and saved_value(k) != getattr(args, k)]
@@ -314,7 +321,7 @@ def check_resume_config(out_dir: Path, args, world_size: int = 1, resumed_from: 
     def change(name: str) -> str:
         return f"--{name.replace('_', '-')} {saved[name]} -> {getattr(args, name)}"
 
-    changed = [change(k) for k in differing(RESUME_MUST_MATCH)]
+    changed = [change(k) for k in differing(must_match)]
     if changed:
         raise config.UsageError(f"--resume with other settings than {path} ({', '.join(changed)}); pass the run's own values or choose another --out-dir")
     warnings = []
@@ -389,13 +396,12 @@ def make_out_dir(out_dir: Path) -> None:
         raise config.UsageError(f"--out-dir {out_dir} is not writable; choose another --out-dir")
 
 
-def check_resumed_model(out_dir: Path, model_name: str) -> None:
-    """--resume with --model auto: the model it loaded is the one the run trained (auto falls back to
-    the embedded model where the hub is out of reach; the run's adapter fits only its own model)."""
-    path = out_dir / "config.json"
-    trained = json.loads(path.read_text()).get("model_resolved") if path.exists() else None
-    if trained and trained != model_name:
-        raise config.UsageError(f"--resume: {out_dir} trained {trained}, but this command loaded {model_name}; pass --model {trained}")
+def check_resumed_model(out_dir: Path, trained: str, model_name: str) -> None:
+    """--resume loads `model_name`, the model --model resolves to, and the run `out_dir` trained `trained` (its adapter
+    fits only that one). Compared as resolved: "auto" and "embedded" are one model on a CPU, "./m" and "/home/me/m" one
+    directory (--model was compared as typed: a run begun with "auto" was told to pass the model's name, then refused)."""
+    if trained != model_name and not (os.path.exists(trained) and os.path.exists(model_name) and os.path.samefile(trained, model_name)):
+        raise config.UsageError(f"--resume: {out_dir} trained {trained}, but this command loads {model_name}; pass --model {trained}")
 
 
 def take_optimizer_settings(optimizer, scheduler, args) -> None:

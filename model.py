@@ -44,10 +44,11 @@ class SetupError(RuntimeError):
 
 
 def pick_model(model: str, device: str) -> str:
-    """--model auto: the paper's model on a GPU, the embedded one elsewhere. A local path that does not exist: SetupError."""
+    """--model auto: the paper's model on a GPU, the embedded one elsewhere; a local directory by its whole path (what
+    config.json records, for eval.py and --resume from any directory). A local path that does not exist: SetupError."""
     check_model_path(model)
-    if model != "auto":
-        return model
+    if model not in ("auto", EMBEDDED):
+        return os.path.abspath(model) if os.path.isdir(model) else model
     return GPU_MODEL if device == "cuda" else EMBEDDED
 
 

@@ -102,6 +102,28 @@ def test_resume_with_other_settings_exits_2_naming_them(tiny_model_dir, tmp_path
     assert "--resume with other settings than" in err and "--m 2 -> 3" in err
 
 
+def test_resume_compares_the_model_as_resolved(tiny_model_dir, tmp_path, monkeypatch, capsys, length_rewards):
+    """--model was compared as typed: a run begun with --model embedded was refused under the default auto (the same
+    model on a CPU), and "--model ./m" under the path it was given before; one begun with auto was told to pass the
+    model's name, then refused for it."""
+    out = tmp_path / "run"
+    assert train.main(tiny_args(tiny_model_dir, out, "--steps", "1")) == 0
+    monkeypatch.chdir(tiny_model_dir.parent)
+    assert train.main(tiny_args(Path(".") / tiny_model_dir.name, out, "--steps", "2", "--resume")) == 0
+    other = tmp_path / "other"
+    shutil.copytree(tiny_model_dir, other)
+    assert train.main(tiny_args(other, out, "--steps", "3", "--resume")) == 2  # another directory: still refused
+    assert capsys.readouterr().err.endswith(f"error: --resume: {out} trained {tiny_model_dir}, but this command loads {other}; "
+                                            f"pass --model {tiny_model_dir}\n")
+    saved = {"model": "embedded", "model_resolved": "embedded", "n": 4}
+    (tmp_path / "config.json").write_text(json.dumps(saved))
+    args = config.parse_args(train.Args, ["--n", "4"])  # --model auto
+    assert checkpoint.check_resume_config(tmp_path, args, model_name=models.pick_model("auto", "cpu")) == []
+    (tmp_path / "config.json").write_text(json.dumps(saved | {"model": "auto", "model_resolved": str(tiny_model_dir)}))
+    args = config.parse_args(train.Args, ["--n", "4", "--model", str(tiny_model_dir)])
+    assert checkpoint.check_resume_config(tmp_path, args, model_name=str(tiny_model_dir)) == []
+
+
 def test_resume_takes_the_commands_learning_rate_and_says_it_changed(tiny_model_dir, tmp_path, caplog, length_rewards):
     """A restored optimizer would keep the first run's --lr; the resumed run uses the command's (as the
     advice after non-finite updates says: lower --lr, then --resume), with the warm-up factor of its
@@ -143,7 +165,7 @@ def test_resume_refuses_a_model_other_than_the_runs(tiny_model_dir, tmp_path, ca
     capsys.readouterr()
     assert train.main(tiny_args(tiny_model_dir, out, "--steps", "2", "--resume")) == 2
     err = capsys.readouterr().err.strip()
-    assert err == (f"error: --resume: {out} trained Qwen/Qwen2.5-3B-Instruct, but this command loaded {tiny_model_dir}; "
+    assert err == (f"error: --resume: {out} trained Qwen/Qwen2.5-3B-Instruct, but this command loads {tiny_model_dir}; "
                    "pass --model Qwen/Qwen2.5-3B-Instruct")
     assert [r["step"] for r in read_metrics(out)] == [1]
 

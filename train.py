@@ -289,11 +289,11 @@ def train(args: Args, world: distributed.World = distributed.World()) -> Path:
     out_dir = Path(args.out_dir)
     found = checkpoint.found_in(out_dir)
     resuming = checkpoint.continues(args.resume, out_dir, found)
-    if resuming:
-        changes = checkpoint.check_resume_config(out_dir, args, world.size, found[-1])  # warnings, if it trains on
-    config.check_torchrun(device, world)
-    examples = data.load_examples(args.dataset, "train", seed=args.seed)  # a missing dataset or model path stops the run
     model_name = pick_model(args.model, device)  # here, before --out-dir is made (and --out-dir before the model loads)
+    if resuming:
+        changes = checkpoint.check_resume_config(out_dir, args, world.size, found[-1], model_name)  # warnings, if it trains on
+    config.check_torchrun(device, world)
+    examples = data.load_examples(args.dataset, "train", seed=args.seed)  # a missing dataset stops the run
     checkpoint.make_out_dir(out_dir)
     distributed.start(world)  # torchrun: meet the other ranks (every rank has passed the checks above)
     distributed.barrier(world)  # ... before rank 0 writes anything into out_dir
@@ -301,8 +301,6 @@ def train(args: Args, world: distributed.World = distributed.World()) -> Path:
 
     model, tokenizer = load_trainable_policy(model_name, device, args.lora_rank, args.lora_alpha, args.bf16_weights,
                                              args.gradient_checkpointing, args.bf16_autocast, args.max_prompt_tokens + args.max_new_tokens)
-    if resuming:
-        checkpoint.check_resumed_model(out_dir, model_name)
     sampler = make_sampler(args, model, tokenizer, device, world)
     try:
         log.info("%s", progress.start_line(args, model_name, sampler, out_dir, device, world))
