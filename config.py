@@ -91,13 +91,21 @@ def parse_args(args_class, argv: list[str] | None = None, description: str = "",
         elif f.type.startswith("bool"):
             parser.add_argument(flag, action=argparse.BooleanOptionalAction, default=f.default, help=text)
         else:
-            kind = {"int": int, "float": float, "str": os.path.expanduser if f.name in PATH_FLAGS else str}[f.type.split(" ")[0]]
+            kind = {"int": int, "float": float, "str": path_arg if f.name in PATH_FLAGS else str}[f.type.split(" ")[0]]
             parser.add_argument(flag, type=kind, default=f.default, help=text)
     parsed = vars(parser.parse_args(argv))
     for name in unused:
         if name in parsed:
             parser.exit(2, f"{parser.prog}: error: --{name.replace('_', '-')} is not used here: {unused[name]}\n")
     return args_class(**parsed)
+
+
+def path_arg(text: str) -> str:
+    """A path flag's value: a leading "~" expanded (the shell leaves "--out-dir=~/x" as typed); an empty one refused
+    ("--out-dir $OUT" with $OUT unset wrote the run into the current directory)."""
+    if not text.strip():
+        raise argparse.ArgumentTypeError("an empty path (an unset shell variable?); give a path")
+    return os.path.expanduser(text)
 
 
 def resolve(args, device: str, world_size: int = 1):

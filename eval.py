@@ -387,7 +387,7 @@ def main(argv: list[str] | None = None) -> int:
     for noisy in ("httpx", "transformers", "huggingface_hub"):
         logging.getLogger(noisy).setLevel(logging.WARNING)
     parser = config.Parser(description=__doc__.split("\n")[0])  # an error in one line
-    home = os.path.expanduser  # a path's leading "~": the shell leaves "--out=~/r.json" as typed
+    home = config.path_arg  # a path's leading "~" expanded, an empty path refused
     parser.add_argument("path", nargs="?", type=home, help="a run's --out-dir, one checkpoint directory, or a base model (name, path, 'embedded')")
     parser.add_argument("--plot", nargs="+", metavar="RUN_DIR", type=home, help="plot test accuracy over training time for these runs")
     parser.add_argument("--plot-train", nargs="+", metavar="RUN_DIR", type=home,

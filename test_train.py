@@ -238,6 +238,18 @@ def test_a_leading_tilde_in_a_path_flag_is_the_home_directory(monkeypatch, tmp_p
     assert config.parse_args(train.Args, ["--rule=~"]).rule == "~"  # not a path: refused as typed
 
 
+def test_an_empty_path_flag_is_refused_in_one_line(capsys):
+    """--out-dir "$OUT" with $OUT unset wrote the run into the current directory; eval.py's paths alike."""
+    import eval as evaluation
+
+    for main, argv in ((train.main, ["--out-dir", ""]), (train.main, ["--dataset", " "]), (evaluation.main, [""]),
+                       (evaluation.main, ["run", "--out", ""])):
+        with pytest.raises(SystemExit) as stop:
+            main(argv)
+        assert stop.value.code == 2
+        assert capsys.readouterr().err.strip().endswith(": an empty path (an unset shell variable?); give a path (--help lists the flags)")
+
+
 def test_a_run_saved_with_an_unexpanded_tilde_path_resumes_and_one_in_dot_tilde_is_pointed_at(monkeypatch, tmp_path):
     """Before "~" was expanded, config.json recorded "--dataset=~/d.jsonl" as typed and "--out-dir=~/x" wrote ./~/x. The
     same command now reads $HOME/d.jsonl (the same file: resumed without a word) and $HOME/x (no run there: refused, with
