@@ -5,7 +5,7 @@
   set (HF_HUB_OFFLINE, HF_DATASETS_OFFLINE) `datasets` reads its local cache, and fails the same way
   without one.
 - a path to a `.jsonl` file with `question` and `answer` per row; the answer is either a GSM8K
-  solution ending in "#### N" or a bare number.
+  solution ending in "#### N" or one number ("72", "$1,000", "72 apples"; "7 from 3" is refused).
 - `arith`: procedurally generated arithmetic word problems with answers computed by the
   generator, in levels of increasing difficulty (`arith` = levels 1-3; `arith:1` one-digit
   sums only, `arith:12` levels 1 and 2). It is the task for CPU-scale experiments:
@@ -31,7 +31,7 @@ from decimal import Decimal
 from pathlib import Path
 from urllib.parse import urlparse
 
-from rewards import MAX_NUMBER_CHARS, normalize_number, parse_gsm8k_solution
+from rewards import MAX_NUMBER_CHARS, normalize_number, numbers_in, parse_gsm8k_solution
 
 ARITH = "arith"
 GSM8K = "gsm8k"
@@ -95,6 +95,8 @@ def _example(row: dict) -> Example | None:
     if isinstance(answer, (int, float)):  # a JSON number: str(1e-05) is "1e-05", whose last number is 5
         answer = repr(answer)
     answer = plain_number(str(answer))
+    if "####" not in answer and len(numbers_in(answer, list_markers=False)) > 1:
+        return None  # "7 (from 3 apples)": not one number (its last, 3, was taken as the answer)
     try:
         parsed = parse_gsm8k_solution(answer) if "####" in answer else normalize_number(answer, list_markers=False)
     except ValueError:
@@ -136,10 +138,11 @@ def read_jsonl(path: Path) -> list[Example]:
         elif line.strip():
             unusable.append(number)
     if unusable:  # skipped, and said: a silently shorter dataset would be a different experiment
-        log.warning("%s: skipped %d unusable line(s) (not JSON with 'question' and a numeric 'answer'), first at line %d",
+        log.warning("%s: skipped %d unusable line(s) (not JSON with 'question' and an 'answer' that is one number or ends in "
+                    "'#### N'), first at line %d",
                     path, len(unusable), unusable[0])
     if not examples:
-        raise DataError(f"{path} has no usable rows: each line must be JSON with 'question' and 'answer' (a number or '... #### N')")
+        raise DataError(f"{path} has no usable rows: each line must be JSON with 'question' and 'answer' (one number, or '... #### N')")
     return examples
 
 
