@@ -443,6 +443,8 @@ def continues(resume: str, out_dir: Path, found: list[Path]) -> bool:
             (out_dir / "metrics.jsonl").unlink(missing_ok=True)
         return bool(found)
     if resume == "yes" and not found:
+        if out_dir.exists() and not out_dir.is_dir():
+            raise config.UsageError(f"--resume: --out-dir {out_dir} is a file, not a run's directory")
         raise config.UsageError(f"--resume: no checkpoint-STEP directory in {out_dir} (--resume auto starts a run when there is none)")
     if resume == "no" and found:
         raise config.UsageError(f"{out_dir} already holds a run; pass --resume to continue it or choose another --out-dir")

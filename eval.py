@@ -106,6 +106,9 @@ class VLLMOptions:
 # ----------------------------------------------------------------------------- what to evaluate
 
 
+CHECKPOINT_FILES = ("adapter_model.safetensors", "adapter_config.json", "trainer_state.json")  # what eval.py reads of one
+
+
 def find_targets(path: str) -> tuple[str, list[Target], Path | None]:
     """(base model, targets in order, run directory or None) for a run dir, checkpoint or model."""
     p = absolute(path)
@@ -113,11 +116,14 @@ def find_targets(path: str) -> tuple[str, list[Target], Path | None]:
         target = target_of(p)  # (checked first: a damaged adapter_config.json stops in one line)
         return base_model_of(p), [target], None
     if p.is_dir() and (p / "config.json").exists() and "model_resolved" in plot.read_json(p / "config.json", "copy the run (or model) again"):
-        found = checkpoint.find(p, needs=("adapter_model.safetensors", "adapter_config.json", "trainer_state.json"))
+        found = checkpoint.find(p, needs=CHECKPOINT_FILES)
         if not found:
             raise EvalError(f"{p} has no checkpoint-STEP directories yet; train first or wait for the first save")
         return base_model_of(found[0]), [Target(BASE, None)] + [target_of(c) for c in found], p
     if p.is_dir() and not (p / "config.json").exists():
+        if found := checkpoint.find(p, needs=CHECKPOINT_FILES):  # a run's checkpoints copied without the run's settings
+            raise EvalError(f"{p} holds checkpoints but no config.json, the run's settings: copy it from the run, or evaluate "
+                            f"one checkpoint (python eval.py {found[-1]})")
         raise EvalError(f"{p} is neither a run directory, a checkpoint nor a model directory")
     if models.missing_path(path):  # a path, not a hub name
         raise EvalError(f"{path} does not exist: give a run directory, a checkpoint, or a model (a hub name, a directory, 'embedded')")

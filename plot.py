@@ -194,9 +194,10 @@ def group_curves(run_dirs: list[Path], results_file: str | None, clock=None
         if results_file is not None and not files:
             raise PlotError(f"{run} has no {results_file}, the results for that --dataset; evaluate it first: "
                             f"python eval.py {run} with that --dataset")
-        if len(files) != 1:
-            what = "no eval-*.json" if not files else f"several results files ({', '.join(f.name for f in files)})"
-            raise PlotError(f"{run} has {what}; run `python eval.py {run}` first, or pass --dataset to pick one")
+        if not files:
+            raise PlotError(f"{run} has no eval-*.json; run `python eval.py {run}` first")
+        if len(files) > 1:
+            raise PlotError(f"{run} has several results files ({', '.join(f.name for f in files)}); pass --dataset to pick one")
         stored = read_results(files[0], f"evaluate again: python eval.py {run} --force")
         if not any(r.get("step", 0) > 0 for r in stored["results"]):
             raise PlotError(f"{files[0]} holds no evaluated checkpoint (at most the base model); finish it: python eval.py {run}")

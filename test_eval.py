@@ -745,6 +745,10 @@ def test_plot_takes_the_baseline_it_is_given(tmp_path, capsys):
     assert evaluation.main([*argv, "--dataset", "gsm8k"]) == 2  # it said the run had no eval-*.json and to pass --dataset
     assert capsys.readouterr().err == (f"error: {grpo_run} has no eval-gsm8k.json, the results for that --dataset; evaluate it "
                                        f"first: python eval.py {grpo_run} with that --dataset\n")
+    shutil.copy(grpo_run / "eval-arith.json", grpo_run / "eval-test.json")  # it said to run eval.py first, which cannot help
+    assert evaluation.main(argv) == 2
+    assert capsys.readouterr().err == (f"error: {grpo_run} has several results files (eval-arith.json, eval-test.json); pass "
+                                       f"--dataset to pick one\n")
 
 
 @pytest.mark.parametrize("sig", [signal.SIGINT, signal.SIGTERM])
@@ -957,6 +961,10 @@ def test_eval_refuses_damaged_inputs_in_one_line(tiny_run, tmp_path, monkeypatch
     for path in (run, run / "checkpoint-1"):
         assert refused(path).startswith(f"error: {adapter_config} cannot be read (")
     adapter_config.write_text(complete)
+    copied = tmp_path / "copied"  # checkpoints without the run's config.json: "neither a run directory, a checkpoint nor ..."
+    shutil.copytree(run / "checkpoint-2", copied / "checkpoint-2")
+    assert refused(copied) == (f"error: {copied} holds checkpoints but no config.json, the run's settings: copy it from the "
+                               f"run, or evaluate one checkpoint (python eval.py {copied / 'checkpoint-2'})\n")
     assert refused(run, "--out", str(tmp_path / "e.csv")) == (f"error: --out {tmp_path / 'e.csv'} names the .csv table eval.py "
                                                               f"writes beside its results; name the results, e.g. {tmp_path / 'e.json'}\n")
     (run / "eval-arith.json").mkdir()

@@ -130,7 +130,9 @@ def test_resume_takes_the_commands_learning_rate_and_says_it_changed(tiny_model_
     step, and warns. The same --lr again: the same value, and no warning."""
     out = tmp_path / "run"
     warmup = ["--warmup-ratio", "0.5"]  # a warm-up over 2 of 4 steps: factors 0.5, 1, 1, 1
-    assert train.main(tiny_args(tiny_model_dir, out, "--steps", "4", *warmup, "--save-every-steps", "1")) == 0
+    with caplog.at_level(logging.INFO, logger="pods"):
+        assert train.main(tiny_args(tiny_model_dir, out, "--steps", "4", *warmup, "--save-every-steps", "1")) == 0
+    assert "checkpoints checkpoint-2, checkpoint-3, checkpoint-4 (4 in all)" in caplog.text  # the last three, and how many
     first = [r["lr"] for r in read_metrics(out)]
     assert first == pytest.approx([5e-3, 1e-2, 1e-2, 1e-2])
     for step in (3, 4):
@@ -542,6 +544,8 @@ def test_an_out_dir_that_cannot_be_a_directory_exits_2_before_the_model_loads(ma
     assert train.main(["--out-dir", str(make_path(tmp_path)), "--dataset", "arith"]) == 2
     err = capsys.readouterr().err.strip()
     assert err.startswith(f"error: --out-dir {make_path(tmp_path)}: cannot make a directory there") and "\n" not in err
+    assert train.main(["--out-dir", str(tmp_path / "a-file"), "--dataset", "arith", "--resume"]) == 2  # "no checkpoint-STEP in" it
+    assert capsys.readouterr().err == f"error: --resume: --out-dir {tmp_path / 'a-file'} is a file, not a run's directory\n"
 
 
 def test_an_out_dir_the_file_system_will_not_look_at_exits_2_in_one_line(tmp_path, capsys, monkeypatch):

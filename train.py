@@ -377,7 +377,9 @@ def main(argv: list[str] | None = None) -> int:
         log.setLevel(logging.WARNING)
     try:
         out_dir = train(args, world)
-        log.info("done: metrics in %s, checkpoints %s", out_dir / "metrics.jsonl", ", ".join(p.name for p in checkpoint.find(out_dir)[-3:]))
+        saved = checkpoint.find(out_dir)
+        log.info("done: metrics in %s, checkpoints %s%s", out_dir / "metrics.jsonl", ", ".join(p.name for p in saved[-3:]),
+                 f" ({len(saved)} in all)" if len(saved) > 3 else "")
     except (config.UsageError, data.DataError, SetupError) as err:
         progress.say_at_exit(f"error: {err}", world)
         return 2
