@@ -65,7 +65,7 @@ def truncated_importance_weights(logprobs: torch.Tensor, sampler_logprobs: torch
     The rollouts come from a sampling engine (vLLM: bfloat16 kernels, a bfloat16 copy of the adapter)
     whose probabilities differ slightly from the trainer's; weighting each token's surrogate by this
     ratio corrects the policy gradient for that gap, and the cap bounds the variance. Not part of the
-    paper (its code treats the rollouts as on-policy); TRL applies it by default with vLLM.
+    paper (its code treats the rollouts as on-policy); TRL offers it with vLLM (its default masks whole sequences instead).
     """
     return torch.exp(logprobs.detach() - sampler_logprobs).clamp(max=cap)
 

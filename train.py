@@ -99,7 +99,8 @@ class Args:
     gpu_memory_utilization: float = arg(0.3, "vLLM: share of GPU memory for its weights, LoRA slots and KV cache; the rest is for training")
     vllm_kv_cache_gb: float | None = arg(None, "vLLM: KV cache size in GiB (a CPU rounds it up to whole GiB), instead of what --gpu-memory-utilization leaves")
     vllm_enforce_eager: bool = arg(False, "vLLM: no CUDA graphs (slower generation, less memory: small cards)")
-    vllm_sleep: bool = arg(False, "vLLM: free its KV cache during each update, re-allocate it before the next generation")
+    vllm_sleep: bool = arg(False, "vLLM: free its KV cache during each update, re-allocate it before the next generation "
+                                  "(vLLM 0.25: its weights too, to host memory and back)")
     gradient_checkpointing: bool | None = arg(None, "recompute activations in the backward pass [GPU on, CPU off]")
     bf16_weights: bool | None = arg(None, "frozen base weights in bfloat16, the LoRA adapter in float32 [GPU on, CPU off]")
     bf16_autocast: bool | None = arg(None, "bfloat16 autocast for generation and the update [GPU off, CPU on where it computes bfloat16]")

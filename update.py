@@ -46,7 +46,8 @@ def completion_logprobs(model, rollouts: list[Rollout], temperature: float, pad_
     """log pi_theta of each completion token: ([B, C] log-probs, [B, C] mask).
 
     Prompts are left-padded and completions right-padded, so every completion starts at the
-    same column and the LM head runs only on the C + 1 positions that predict completion tokens.
+    same column and the LM head runs only on the last C + 1 positions: the C that predict completion tokens, and
+    the last one (dropped).
     Logits are divided by the sampling temperature: the policy being optimized is the one sampled.
     """
     device = next(model.parameters()).device
