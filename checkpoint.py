@@ -137,12 +137,12 @@ def load(path: Path, model, optimizer, scheduler, rng: np.random.Generator,
     return state
 
 
-def check_trainer_state(path: Path, state) -> None:
-    """The one line of `unreadable` unless checkpoint `path`'s trainer_state.json holds a step, elapsed_s and data_position
-    that are numbers."""
-    if not (isinstance(state, dict) and all(is_number(state.get(key), kind)
-                                            for key, kind in (("step", int), ("elapsed_s", (int, float)), ("data_position", int)))):
-        raise unreadable(path, "trainer_state.json", ValueError("not a step, elapsed_s and data_position that are numbers"))
+def check_trainer_state(path: Path, state, keys: tuple[str, ...] = ("step", "elapsed_s", "data_position")) -> None:
+    """The one line of `unreadable` unless checkpoint `path`'s trainer_state.json holds `keys` as numbers (--resume needs
+    all three; eval.py the step and the time)."""
+    kinds = {"step": int, "elapsed_s": (int, float), "data_position": int}
+    if not (isinstance(state, dict) and all(is_number(state.get(key), kinds[key]) for key in keys)):
+        raise unreadable(path, "trainer_state.json", ValueError(f"not a {', '.join(keys[:-1])} and {keys[-1]} that are numbers"))
 
 
 def set_random_state(mine: dict, rng: np.random.Generator) -> None:
@@ -354,9 +354,12 @@ def settings_at(saved: dict, step: int) -> dict:
 def write_config(out_dir: Path, settings: dict, resumed_step: int | None = None) -> None:
     """The run's config.json: `settings`, and for a run resumed at `resumed_step` the history of the RETUNABLE settings
     it changed, a list under changed_on_resume of {"step": resumed_step, setting: [old, new], ...}, so that the run's
-    record keeps the settings its early steps trained with (eval.py and --plot read the latest)."""
+    record keeps the settings its early steps trained with (eval.py and --plot read the latest). A resumed run keeps
+    its model's names as it recorded them ("./m" resumed as "/home/me/m", which check_resumed_model found the same, or
+    "auto" as "embedded"): eval.py's results and --plot compare them as written."""
     path = out_dir / "config.json"
     old = settings_at(json.loads(path.read_text()), resumed_step) if path.exists() and resumed_step is not None else {}
+    settings = settings | {k: old[k] for k in ("model", "model_resolved") if k in old}
     history = old.pop("changed_on_resume", [])
     changed = {k: [old[k], settings[k]] for k in RETUNABLE if k in old and old[k] != settings[k]}
     if changed:

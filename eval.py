@@ -138,7 +138,7 @@ def target_of(path: Path) -> Target:
         raise EvalError(f"{path} has no trainer_state.json, so its step and training time are unknown; copy the checkpoint again")
     state = plot.read_json(state_file, "copy the checkpoint again") if state_file.exists() else {}
     if "step" in state or "elapsed_s" in state:  # train.py's (another trainer's, such as transformers' global_step, reads as 0)
-        checkpoint.check_trainer_state(path, state)  # a step "2" ended in a traceback once evaluated; elapsed_s null in results
+        checkpoint.check_trainer_state(path, state, keys=("step", "elapsed_s"))  # a step "2": a traceback once evaluated
     return Target(path.name, path, state.get("step", 0), state.get("elapsed_s", 0.0))
 
 

@@ -44,11 +44,10 @@ class SetupError(RuntimeError):
 
 
 def pick_model(model: str, device: str) -> str:
-    """--model auto: the paper's model on a GPU, the embedded one elsewhere; a local directory by its whole path (what
-    config.json records, for eval.py and --resume from any directory). A local path that does not exist: SetupError."""
+    """--model auto: the paper's model on a GPU, the embedded one elsewhere. A local path that does not exist: SetupError."""
     check_model_path(model)
-    if model not in ("auto", EMBEDDED):
-        return os.path.abspath(model) if os.path.isdir(model) else model
+    if model != "auto":
+        return model
     return GPU_MODEL if device == "cuda" else EMBEDDED
 
 
@@ -204,13 +203,16 @@ def load_trainable_policy(model_name: str, device: str, lora_rank: int, lora_alp
 def without_dropout(model) -> None:
     """Every dropout rate of the model set to 0: the update (in training mode, for activation checkpointing) must score
     the rollouts under the policy that sampled them (in eval mode). GPT-2's default 0.1 made the log-prob ratio noise,
-    0.05 nats on average between sampler and trainer where rounding gives 1e-6. Llama and Qwen2 have none already."""
+    0.05 nats on average between sampler and trainer where rounding gives 1e-6. Llama and Qwen2 have none already.
+    The rates are modules (nn.Dropout and its kin), numbers a module keeps (Llama's attention_dropout, MPT's
+    attn_dropout_p, GPT-2's resid_pdrop) or numbers of the config a module reads as it runs (Falcon's hidden_dropout)."""
     for module in model.modules():
-        if isinstance(module, torch.nn.Dropout):
+        if isinstance(module, torch.nn.modules.dropout._DropoutNd):
             module.p = 0.0
-        for name, value in list(vars(module).items()):  # attention's own rate, a number (Llama's attention_dropout)
-            if name.endswith("dropout") and isinstance(value, float):
-                setattr(module, name, 0.0)
+        for owner in (module, getattr(module, "config", None)):
+            for name, value in list(vars(owner).items()) if owner is not None else ():
+                if "drop" in name.lower() and isinstance(value, float):  # (dropout, pdrop, layerdrop: all probabilities)
+                    setattr(owner, name, 0.0)
 
 
 def check_context(config, sequence_len: int, model_name: str) -> None:

@@ -74,7 +74,8 @@ def label_of(config: dict) -> str:
 # What may differ between seeds of one setting: the seed, where and on what it ran, and how long it trained and
 # how often it saved (the curves are read up to the shortest run; on the reference clock, a run trains to a
 # number of steps, reproduce/cpu_reproduction.sh CLOCK=reference)
-SEED_FIELDS = {"seed", "out_dir", "resume", "torch", "device", "steps", "time_budget", "save_every_steps", "save_every_minutes"}
+SEED_FIELDS = {"seed", "out_dir", "resume", "torch", "device", "steps", "time_budget", "save_every_steps", "save_every_minutes",
+               "model"}  # (--model as typed: "auto" and "embedded" are one model_resolved, which TASK_FIELDS compares)
 PRECISION_FIELDS = {"bf16_autocast", "bf16_weights"}  # may differ between seeds, not within one (run_precision)
 
 

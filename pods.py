@@ -27,7 +27,7 @@ Run `python pods.py` for a demonstration and a timing table against brute-force 
 from __future__ import annotations
 
 import math
-import numbers
+import operator
 import time
 from itertools import combinations
 from typing import Callable, Sequence
@@ -49,7 +49,11 @@ def _rewards_array(rewards) -> np.ndarray:
 
 
 def _check_m(m: int, n: int) -> None:
-    if isinstance(m, bool) or not isinstance(m, numbers.Integral):  # 2.0 failed as an index; True kept 1
+    try:  # an integer of any kind (numpy's, a 0-d tensor); 2.0 failed as an index, and True kept 1
+        whole = not isinstance(m, bool) and operator.index(m) == m
+    except TypeError:
+        whole = False
+    if not whole:
         raise ValueError(f"m={m!r} must be a whole number")
     if m < 1:
         raise ValueError(f"m={m} must be >= 1")

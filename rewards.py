@@ -56,7 +56,7 @@ _BULLET = re.compile(r"^([ \t]*)-(?=[ \t])", re.MULTILINE)
 _FRAC = re.compile(r"\\[dt]?frac\s*(?:\{\s*(-?\d+(?:\.\d+)?)\s*\}|(\d))\s*(?:\{\s*(\d+(?:\.\d+)?)\s*\}|(\d))")
 
 
-def numbers_in(text: str, list_markers: bool = True) -> list[str]:
+def _numbers(text: str, list_markers: bool = True) -> list[str]:
     """The numbers in `text`, in order, as written ("- 3", "1,000", "3/4"). With `list_markers` (a completion's
     text), a "- " starting a line is a markdown bullet, not a minus; an answer already extracted has none."""
     if list_markers:
@@ -93,7 +93,7 @@ def normalize_number(s: str | None, list_markers: bool = True) -> str | None:
     """
     if not s:
         return None
-    found = numbers_in(s, list_markers)
+    found = _numbers(s, list_markers)
     if not found:
         return None
     written = found[-1]
@@ -153,7 +153,7 @@ def extract_answer(completion: str) -> str | None:
     tagged = _ANSWER.findall(completion)
     if tagged:
         return tagged[-1].strip()
-    found = numbers_in(completion)
+    found = _numbers(completion)
     return found[-1].strip() if found else None
 
 

@@ -482,6 +482,8 @@ def test_plot_refuses_runs_that_are_not_comparable(tmp_path, capsys):
     assert ('differ in more than the seed (changed_on_resume [{"step": 5, "max_new_tokens": [24, 32]}] against (not set))'
             in capsys.readouterr().err)  # a seed resumed with another --max-new-tokens
     seed1 = fake_run(tmp_path, "grpo-s1b", "none", 8, 8, [(0, 0.2), (60, 0.6)], seed=1)
+    for run, typed in ((grpo_run, "auto"), (seed1, "embedded")):  # one model_resolved: --model as typed does not matter
+        (run / "config.json").write_text(json.dumps(json.loads((run / "config.json").read_text()) | {"model": typed}))
     assert evaluation.main(["--plot", str(grpo_run), str(seed1), str(pods_run), "--out", str(tmp_path / "f.png")]) == 0
     assert "GRPO n=8: peak 0.500" in capsys.readouterr().out  # the mean of the two seeds
 
@@ -906,6 +908,16 @@ def test_eval_of_a_model_itself_writes_its_results_in_the_current_directory(tiny
     assert f"0 to evaluate, 1 already in {Path('eval-arith.json')}" in caplog.text
 
 
+def test_the_base_models_cached_result_is_one_per_directory(tmp_path, monkeypatch):
+    """'eval.py .' in two model directories: the second was handed the first's cached result (both were named ".")."""
+    files = []
+    for name in ("a", "b"):
+        (tmp_path / name).mkdir()
+        monkeypatch.chdir(tmp_path / name)
+        files.append(results.base_cache_file(".", {"dataset": "arith"}))
+    assert files[0] != files[1] and results.base_cache_file("embedded", {}) == results.base_cache_file("embedded", {})
+
+
 def test_eval_of_dot_inside_a_checkpoint_takes_the_runs_settings_and_name(tiny_run, tmp_path, monkeypatch):
     """Path(".").parent is ".": the run's config.json was not found, so arith's defaults were taken (32 new tokens
     where the run trained with 6), and the row was named ""."""
@@ -955,7 +967,7 @@ def test_eval_refuses_damaged_inputs_in_one_line(tiny_run, tmp_path, monkeypatch
 
     for damaged in ({"step": "2"}, {"elapsed_s": None}):
         state_file.write_text(json.dumps(state | damaged))
-        assert refused(run).startswith(f"error: {state_file} cannot be read (not a step, elapsed_s and data_position that are numbers)")
+        assert refused(run).startswith(f"error: {state_file} cannot be read (not a step and elapsed_s that are numbers)")
     state_file.write_text(json.dumps(state))
     adapter_config.write_text(complete[:30])
     for path in (run, run / "checkpoint-1"):

@@ -155,6 +155,7 @@ def test_random_rule_draws_every_subset_of_m_equally_whatever_the_rewards():
         (lambda: pods.max_variance_downsample([1.0, 2.0], 0), "m=0 must be >= 1"),
         (lambda: pods.max_reward_downsample([1.0, 2.0], 3), "m=3 must be <= n=2"),
         (lambda: pods.downsample([1.0, 2.0, 3.0], 2.0), "m=2.0 must be a whole number"),  # an IndexError; m=True kept 1
+        (lambda: pods.downsample([1.0, 2.0, 3.0], True), "m=True must be a whole number"),
         (lambda: pods.downsample([1.0, 2.0, 3.0], 1, group_size=2), "a batch of 3 rewards is not a whole number of groups of group_size=2"),
         (lambda: pods.downsample([1.0, float("nan")], 1), "rewards must be finite, got [nan]"),
         (lambda: pods.random_downsample([1.0, float("inf")], 1), "rewards must be finite, got [inf]"),

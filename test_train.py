@@ -110,6 +110,8 @@ def test_resume_compares_the_model_as_resolved(tiny_model_dir, tmp_path, monkeyp
     assert train.main(tiny_args(tiny_model_dir, out, "--steps", "1")) == 0
     monkeypatch.chdir(tiny_model_dir.parent)
     assert train.main(tiny_args(Path(".") / tiny_model_dir.name, out, "--steps", "2", "--resume")) == 0
+    assert json.loads((out / "config.json").read_text())["model_resolved"] == str(tiny_model_dir)  # as the run wrote it
+    assert models.pick_model("embedded", "cuda") == models.EMBEDDED  # (not the GPU's Qwen2.5-3B, as a version of this had it)
     other = tmp_path / "other"
     shutil.copytree(tiny_model_dir, other)
     assert train.main(tiny_args(other, out, "--steps", "3", "--resume")) == 2  # another directory: still refused

@@ -221,3 +221,16 @@ def test_a_model_with_dropout_is_updated_without_it(embedded_dir, tmp_path, kind
     stats, _ = update_at_lr_0(model, rollouts, torch.randn(len(rollouts)), update.UpdateSettings(micro_batch=8, max_grad_norm=1e9),
                               tokenizer.pad_token_id)
     assert stats["sampler_gap_max"] < 1e-4
+
+
+def test_without_dropout_reaches_rates_a_module_reads_from_its_config():
+    """Falcon's blocks read hidden_dropout from the config as they run: two forwards in training mode differed by 0.3."""
+    from transformers import AutoModelForCausalLM, FalconConfig
+
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_config(FalconConfig(vocab_size=64, hidden_size=32, num_hidden_layers=2, num_attention_heads=4,
+                                                          hidden_dropout=0.1, attention_dropout=0.1))
+    models.without_dropout(model)
+    model.train()
+    ids = torch.arange(12).reshape(2, 6)
+    assert torch.equal(model(ids).logits, model(ids).logits)
