@@ -5,7 +5,8 @@
   set (HF_HUB_OFFLINE, HF_DATASETS_OFFLINE) `datasets` reads its local cache, and fails the same way
   without one.
 - a path to a `.jsonl` file with `question` and `answer` per row; the answer is either a GSM8K
-  solution ending in "#### N" or one number ("72", "$1,000", "72 apples"; "7 from 3" is refused).
+  solution ending in "#### N" or one number ("72", "$1,000", "72 apples"; "7 from 3" is refused, after
+  "####" too).
 - `arith`: procedurally generated arithmetic word problems with answers computed by the
   generator, in levels of increasing difficulty (`arith` = levels 1-3; `arith:1` one-digit
   sums only, `arith:12` levels 1 and 2). It is the task for CPU-scale experiments:
@@ -60,7 +61,7 @@ def arith_problem(rng: random.Random, level: int) -> Example:
     1: "What is 7 + 5?" (one-digit sums)
     2: one-digit sums and differences in a one-sentence story
     3: two-digit sums and differences in a story
-    4: two steps (a + b - c) with two-digit numbers in a story
+    4: two steps (a + b - c) in a story, a and b of two digits, c from 1 to a + b (answers from 0)
     """
     name, item = rng.choice(NAMES), rng.choice(ITEMS)
     if level == 1:
@@ -96,8 +97,8 @@ def _example(row: dict) -> Example | None:
     if isinstance(answer, (int, float)):  # a JSON number: str(1e-05) is "1e-05", whose last number is 5
         answer = repr(answer)
     answer = plain_number(str(answer))
-    if "####" not in answer and len(numbers_in(answer, list_markers=False)) > 1:
-        return None  # "7 (from 3 apples)": not one number (its last, 3, was taken as the answer)
+    if len(numbers_in(answer.rpartition("####")[2], list_markers=False)) > 1:
+        return None  # "7 (from 3 apples)", "#### 7 from 3": not one number (its last, 3, was taken as the answer)
     try:
         parsed = parse_gsm8k_solution(answer) if "####" in answer else normalize_number(answer, list_markers=False)
     except ValueError:
@@ -237,7 +238,7 @@ class PromptStream:
     def __init__(self, examples: list[Example], tokenize, max_tokens: int, seed: int, position: int = 0):
         self.examples, self.tokenize, self.max_tokens = examples, tokenize, max_tokens
         self.seed, self.position = seed, position
-        self.epoch, self.order, self.skipped_in_a_row, self.skipped = -1, [], 0, 0
+        self.epoch, self.order, self.too_long, self.skipped = -1, [], set(), 0  # too_long: the examples found too long
 
     def next_batch(self, size: int) -> list[tuple[list[int], str]]:
         """`size` (prompt token ids, reference answer) pairs."""
@@ -252,12 +253,12 @@ class PromptStream:
             ids = self.tokenize(example.question)
             if len(ids) <= self.max_tokens:
                 batch.append((ids, example.answer))
-                self.skipped_in_a_row = 0
                 continue
             if self.skipped == 0:  # once: it came at every prompt kept after one skipped, above the progress bar
                 log.info("skipping prompts longer than --max-prompt-tokens %d (this one: %d tokens; said once)", self.max_tokens, len(ids))
-            self.skipped_in_a_row, self.skipped = self.skipped_in_a_row + 1, self.skipped + 1
-            if self.skipped_in_a_row >= len(self.examples):
+            self.skipped += 1
+            self.too_long.add(self.order[index])  # counted by example: skips in a row may span two epochs' orders
+            if len(self.too_long) == len(self.examples):
                 raise DataError(f"every prompt is longer than --max-prompt-tokens {self.max_tokens}; raise it")
         return batch
 

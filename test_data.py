@@ -58,7 +58,7 @@ def test_jsonl_reader_accepts_gsm8k_solutions_and_bare_numbers(tmp_path):
                                                       data.Example("q3", "2.5")]
     # the same written as strings: "2.5e3" was read as 3 and "1e-5" as 5, the last number of each
     rows = [("q1", "2.5e3"), ("q2", "1e-5"), ("q3", " -4E2 "), ("q4", "1e999999999"), ("q5", "NaN"), ("q6", "72 apples"),
-            ("q7", "The answer is 7 (from 3 apples)")]  # not one number: it was read as 3, without a word
+            ("q7", "The answer is 7 (from 3 apples)"), ("q8", "3 h.\n#### 7 from 3")]  # not one number: read as 3, without a word
     path.write_text("".join(json.dumps({"question": q, "answer": a}) + "\n" for q, a in rows))
     assert data.load_examples(str(path), "train") == [data.Example("q1", "2500"), data.Example("q2", "0.00001"),
                                                       data.Example("q3", "-400"), data.Example("q6", "72")]

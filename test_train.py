@@ -712,6 +712,10 @@ def test_prompt_stream_skips_prompts_over_the_token_limit_and_says_so_when_none_
     assert caplog.text.count("skipping prompts longer than --max-prompt-tokens 2") == 1  # said after every prompt kept
     with pytest.raises(data.DataError, match="every prompt is longer than --max-prompt-tokens 5; raise it"):
         data.PromptStream(examples[3:], lambda question: [0] * 9, max_tokens=5, seed=0).next_batch(1)
+    one_fits = [data.Example("long " * 10 + str(i), str(i)) for i in range(5)] + [data.Example("short", "fits")]
+    for seed in range(20):  # skips in a row across an epoch's end (its long tail, the next one's long head) said "every prompt"
+        stream = data.PromptStream(one_fits, str.split, max_tokens=2, seed=seed)
+        assert [answer for _, answer in stream.next_batch(10)] == ["fits"] * 10
 
 
 def gpu_profile_flags(**overrides) -> list[str]:
