@@ -19,9 +19,9 @@ Usage:
 
 from __future__ import annotations
 
+import copy
 import dataclasses
 import json
-import math
 import os
 import sys
 import time
@@ -89,6 +89,22 @@ def peak_memory_mb(fn):
     return result, max(0, max(peak[0], rss()) - before) / 2**20
 
 
+def snapshot(model, optimizer):
+    """A function that puts the trainable weights and the optimizer's state back as they are now: each timed update
+    (and the warm-up's) is undone, so every one starts from the policy given, fresh or --resume's (an update per
+    variant moved it 7 steps a repeat at n=8)."""
+    weights = [p.detach().clone() for p in model.parameters() if p.requires_grad]
+    state = copy.deepcopy(optimizer.state_dict())
+
+    def restore() -> None:
+        with torch.no_grad():
+            for p, saved in zip([p for p in model.parameters() if p.requires_grad], weights):
+                p.copy_(saved)
+        optimizer.load_state_dict(copy.deepcopy(state))
+
+    return restore
+
+
 def warm_up(sampler, model, optimizer, scheduler, stream, args: train.Args, pad_id: int) -> None:
     """One untimed step at full size: a generation of --prompts-per-step x n and GRPO's update on it, with
     the prompt per row and shared. First calls pay one-off costs (on a GPU the allocator growing to the
@@ -108,7 +124,8 @@ def benchmark(args: train.Args, repeats: int = 2) -> list[dict]:
     once per rollout and once per group (--no-share-prompt / --share-prompt), on the same rollouts.
 
     Each repeat draws --prompts-per-step prompts and generates their n rollouts twice from the same
-    seed, without and with the shared prefill (the same tokens come out, so the work is the same),
+    seed, without and with the shared prefill (in float32 the same tokens come out, so the work is the same; a
+    bfloat16 copy rounds the two prefills apart, and a line then says how many tokens each drew),
     then runs the update on the m kept by --rule for each m, without and with prompt sharing,
     measuring its peak memory too. Prints the means and the ratios to GRPO's step. m below 2 is left
     out (advantages need two kept rollouts). With vLLM, generation runs once per repeat: vLLM always
@@ -116,12 +133,15 @@ def benchmark(args: train.Args, repeats: int = 2) -> list[dict]:
     transformers backend only.
     """
     device = "cuda" if torch.cuda.is_available() else "cpu"
-    args = config.resolve(dataclasses.replace(args, m=args.n, rule=args.rule if args.rule != "none" else "max_variance"), device)
+    if args.rule == "none":
+        raise config.UsageError("--rule none: benchmark.py times GRPO (m = n) beside PODS itself; pass the rule PODS keeps m by")
+    args = config.resolve(dataclasses.replace(args, m=args.n), device)
     torch.manual_seed(args.seed)
     rng = np.random.default_rng(args.seed)
     model_name = models.pick_model(args.model, device)
     model, tokenizer = models.load_trainable_policy(model_name, device, args.lora_rank, args.lora_alpha, args.bf16_weights,
-                                                    args.gradient_checkpointing, args.bf16_autocast)
+                                                    args.gradient_checkpointing, args.bf16_autocast,
+                                                    args.max_prompt_tokens + args.max_new_tokens)
     found = checkpoint.found_in(Path(args.out_dir)) if args.resume != "no" else []
     if args.resume == "yes" and not found:
         raise config.UsageError(f"--resume: no checkpoint-STEP directory in {args.out_dir}")
@@ -140,7 +160,9 @@ def benchmark(args: train.Args, repeats: int = 2) -> list[dict]:
                                   betas=(args.adam_beta1, args.adam_beta2), weight_decay=args.weight_decay)
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: 1.0)
     sampler = train.make_sampler(args, model, tokenizer, device)
+    policy = snapshot(model, optimizer)  # every timed update starts from it: the timed policy is the one given
     warm_up(sampler, model, optimizer, scheduler, stream, args, tokenizer.pad_token_id)
+    policy()
     ms = sorted({m for m in (args.n, args.n // 2, args.n // 4) if m >= 2}, reverse=True)
     shares = (False, True)
     vllm = isinstance(sampler, vllm_sampler.VLLMSampler)
@@ -149,7 +171,8 @@ def benchmark(args: train.Args, repeats: int = 2) -> list[dict]:
     gen_s = {share: [] for share in shares}
     upd_s = {(m, share): [] for m in ms for share in shares}
     mem_mb = {(m, share): [] for m in ms for share in shares}
-    tokens, update_tokens = [], {share: [] for share in shares}  # completion tokens; tokens each update reads
+    tokens, update_tokens = {share: [] for share in shares}, {share: [] for share in shares}  # completion tokens; what each update reads
+    handover_s = []  # the adapter handed to the sampler after the update, which train.py counts in update_s
     skip_m, uniform_share, skip_s = ms[min(1, len(ms) - 1)], [], []  # keep against skip: PODS m = n/2, the profile's prompt setting
     for repeat in range(repeats):
         batch = stream.next_batch(args.prompts_per_step)
@@ -160,7 +183,7 @@ def benchmark(args: train.Args, repeats: int = 2) -> list[dict]:
             scored = sampling.generate_and_score(sampler, batch, args.n)
             rollouts, scores = scored.rollouts, scored.rewards
             gen_s[share].append(time.perf_counter() - start)
-        tokens.append(sum(len(r.completion_ids) for r in rollouts))
+            tokens[share].append(sum(len(r.completion_ids) for r in rollouts))
         for share in shares:
             update_tokens[share].append(tokens_read(rollouts, share, args.micro_batch))
         for m in ms:
@@ -173,6 +196,7 @@ def benchmark(args: train.Args, repeats: int = 2) -> list[dict]:
                                                          train.update_settings(dataclasses.replace(run, share_prompt=share)), tokenizer.pad_token_id))
                 upd_s[m, share].append(time.perf_counter() - start)
                 mem_mb[m, share].append(peak)
+                policy()
                 if m == args.n and not share and "sampler_gap_mean" in stats:
                     gaps.append((stats["sampler_gap_mean"], stats["sampler_gap_max"]))
             if m == skip_m:  # --uniform-groups skip: the same update on the informative groups alone
@@ -185,25 +209,32 @@ def benchmark(args: train.Args, repeats: int = 2) -> list[dict]:
                                                          advantages.view(-1, m)[informative].flatten(), train.update_settings(run),
                                                          tokenizer.pad_token_id))
                 skip_s.append(time.perf_counter() - start)
-        sampler.update_weights(model)  # the next repeat samples the trained policy, as in training
+                policy()
+        start = time.perf_counter()
+        sampler.update_weights(model)  # (the same weights: timed as the hand-over each training step ends with)
+        handover_s.append(time.perf_counter() - start)
     rows = []
     for m in ms:
         for share in shares:
-            generation, update = float(np.mean(gen_s[share] or gen_s[True])), float(np.mean(upd_s[m, share]))
+            generation, update = float(np.mean(gen_s[share] or gen_s[True])), float(np.mean(upd_s[m, share]) + np.mean(handover_s))
             rows.append({"n": args.n, "m": m, "share_prompt": share, "generation_s": generation, "update_s": update,
                          "step_s": generation + update, "update_peak_mb": float(np.max(mem_mb[m, share]))})
-    print(f"\n{model_name}, {args.prompts_per_step} prompts x n={args.n}, {args.max_new_tokens} new tokens, "
-          f"micro-batch {args.micro_batch}, {device}, mean of {repeats}"
+    print(f"\n{model_name} ({f'the adapter of {found[-1]}' if found else 'a fresh adapter'}), {args.prompts_per_step} prompts x "
+          f"n={args.n}, {args.max_new_tokens} new tokens, PODS keeping m by {args.rule}, micro-batch {args.micro_batch}, {device}, "
+          f"mean of {repeats}; update s includes handing the adapter to the sampler ({np.mean(handover_s):.2f} s), as train.py's"
           + ("; vLLM generates once (it always shares prompts): the prompt column is the update's" if vllm else ""))
+    if not vllm and tokens[False] != tokens[True]:  # (a bfloat16 copy: its rounding differs between the two prefills)
+        print(f"generation per row and shared drew other tokens from the same seed: {np.mean(tokens[False]):.0f} and "
+              f"{np.mean(tokens[True]):.0f} completion tokens a step")
     print(f"{'method':<18}{'prompt':>10}{'generation s':>14}{'update s':>10}{'step s':>8}{'update peak MiB':>17}{'step/GRPO':>11}")
     grpo_step = rows[0]["step_s"]  # GRPO with the prompt per rollout: the reference
     for row in rows:
         name = f"GRPO n={row['n']}" if row["m"] == args.n else f"PODS n={row['n']} m={row['m']}"
         print(f"{name:<18}{'shared' if row['share_prompt'] else 'per row':>10}{row['generation_s']:>14.1f}{row['update_s']:>10.1f}"
               f"{row['step_s']:>8.1f}{row['update_peak_mb']:>17.0f}{row['step_s'] / grpo_step:>11.2f}")
-    print(f"completion tokens per step: {np.mean(tokens):.0f}; GRPO step time per completion token: "
-          f"{1000 * grpo_step / float(np.mean(tokens)):.1f} ms with the prompt per rollout, "
-          f"{1000 * rows[1]['step_s'] / float(np.mean(tokens)):.1f} ms shared")
+    print(f"completion tokens per step: {np.mean(tokens[True]):.0f}; GRPO step time per completion token: "
+          f"{1000 * grpo_step / float(np.mean(tokens[False] or tokens[True])):.1f} ms with the prompt per rollout, "
+          f"{1000 * rows[1]['step_s'] / float(np.mean(tokens[True])):.1f} ms shared")
     keep_s = np.mean(upd_s[skip_m, args.share_prompt])
     print(f"--uniform-groups, {'GRPO' if skip_m == args.n else 'PODS'} n={args.n} m={skip_m}, prompt {'shared' if args.share_prompt else 'per row'}: "
           f"{np.mean(uniform_share):.2f} of the kept groups uniform; update {keep_s:.2f} s keeping them (keep), {np.mean(skip_s):.2f} s "
@@ -215,15 +246,17 @@ def benchmark(args: train.Args, repeats: int = 2) -> list[dict]:
     steps = len(micro_batches(rollouts, args.micro_batch))  # forward/backward passes of GRPO's update
     computing = sampler.model if getattr(sampler, "merged", False) else model  # the dtype the update computes in
     arithmetic_s = {}  # GRPO's update at its matmul rate, per row and shared
+    passes = 3 if args.gradient_checkpointing else 2  # forward, backward to the inputs, and the layers' forward again
     for share, row in zip(shares, rows[:2]):  # GRPO's update (m = n), per row and shared
-        read, completion = float(np.mean(update_tokens[share])), float(np.mean(tokens))
-        gflop = 2 * 2 * (layer_params * read + head_params * completion) / 1e9  # forward, and backward to the inputs
-        rows_per_pass = round(read / steps)
+        read, head = (float(np.mean([counts[i] for counts in update_tokens[share]])) for i in (0, 1))
+        gflop = 2 * (passes * layer_params * read + 2 * head_params * head) / 1e9
+        rows_per_pass, update_alone = round(read / steps), float(np.mean(upd_s[args.n, share]))  # (without the hand-over)
         rate = 2 * (layer_params + head_params) * rows_per_pass / matmuls_ms(computing, rows_per_pass) / 1e6  # GFLOP/s
-        print(f"GRPO update, prompt {'shared' if share else 'per row'}: {gflop:.3g} GFLOP in its matrix products ({read:.0f} tokens "
-              f"through the layers, {completion:.0f} through the LM head, forward and backward); at the {rate:.0f} GFLOP/s its "
-              f"layers reach alone at a micro-batch's shape that is {gflop / rate:.2g} s: measured {row['update_s']:.2g} s, "
-              f"{row['update_s'] / (gflop / rate):.1f}x its arithmetic")
+        print(f"GRPO update, prompt {'shared' if share else 'per row'}: {gflop:.3g} GFLOP in its matrix products ({read:.0f} "
+              f"positions through the layers, {head:.0f} through the LM head, padding included; forward and backward"
+              f"{', the layers recomputed' if args.gradient_checkpointing else ''}; LoRA's not counted); at the {rate:.0f} GFLOP/s "
+              f"its layers reach alone at a micro-batch's shape that is {gflop / rate:.2g} s: measured {update_alone:.2g} s, "
+              f"{update_alone / (gflop / rate):.1f}x its arithmetic")
         arithmetic_s[share] = gflop / rate, rate
     if not vllm:
         rows_per_step = 32
@@ -237,32 +270,44 @@ def benchmark(args: train.Args, repeats: int = 2) -> list[dict]:
               f"{copy}, {plain:.0f} ms sampling the trained model itself; "
               f"its arithmetic ({2 * params * rows_per_step / 1e9:.1f} GFLOP): the same matrix products alone take "
               f"{floor:.0f} ms, so the step is {tuned / floor:.1f}x its arithmetic")
-        # the whole step, prompt shared: generation = each prompt's prefill at the update's rate, then as many decode steps
-        # as the longest completion, each for all rows at the decode step's rate; the update as above
+        # the whole step, prompt shared: generation = each prompt's prefill at the update's rate, then each generate call
+        # (--gen-batch rows, whole groups) as many decode steps as its longest completion, at its rows' matmul rate
         update_arithmetic, rate = arithmetic_s[True]
-        decode_steps = max(len(r.completion_ids) for r in rollouts)
+        per_call = min(len(rollouts), max(1, args.gen_batch // args.n) * args.n)
+        calls = [rollouts[i:i + per_call] for i in range(0, len(rollouts), per_call)]
+        decode_steps = sum(max(len(r.completion_ids) for r in call) for call in calls)
         generation_arithmetic = (2 * layer_params * sum(len(prompt) for prompt, _ in batch) / (rate * 1e9)
-                                 + decode_steps * len(rollouts) / rows_per_step * floor / 1000)
+                                 + decode_steps * matmuls_ms(sampler.model, per_call) / 1000)
         measured = rows[1]
         print(f"GRPO step, prompt shared: {measured['step_s']:.1f} s (generation {measured['generation_s']:.1f}, update "
               f"{measured['update_s']:.1f}); its arithmetic {generation_arithmetic + update_arithmetic:.2g} s (generation "
-              f"{generation_arithmetic:.2g}: {len(batch)} prefills, {decode_steps} decode steps of {len(rollouts)} rows; update "
+              f"{generation_arithmetic:.2g}: {len(batch)} prefills, {decode_steps} decode steps of {per_call} rows; update "
               f"{update_arithmetic:.2g}): {measured['step_s'] / (generation_arithmetic + update_arithmetic):.1f}x")
     return rows
 
 
-def tokens_read(rollouts: list, share_prompt: bool, micro_batch: int) -> int:
-    """Tokens the update forwards through the decoder layers: each rollout's prompt and completion, or with
-    the prompt shared each prompt once per piece of its group in a micro-batch (update.micro_batches splits a group
-    larger than `micro_batch`; update.shared_prompt_logprobs)."""
-    if not share_prompt:
-        return sum(len(r.prompt_ids) + len(r.completion_ids) for r in rollouts)
-    return sum(len(rollouts[g[0]].prompt_ids) * math.ceil(len(g) / micro_batch) + sum(len(rollouts[i].completion_ids) for i in g)
-               for g in prompt_groups(rollouts))
+def tokens_read(rollouts: list, share_prompt: bool, micro_batch: int) -> tuple[int, int]:
+    """(positions through the decoder layers, positions through the LM head) of the update, as update.py builds its
+    micro-batches: each row padded to the longest prompt plus the longest completion, and C + 1 positions of the head
+    per row; with the prompt shared, each group piece one row of its prompt and its completions packed behind it
+    (update.micro_batches, update.shared_prompt_logprobs)."""
+    layers = head = 0
+    for piece in micro_batches(rollouts, micro_batch):
+        batch = [rollouts[i] for i in piece]
+        prompt = max(len(r.prompt_ids) for r in batch)
+        if share_prompt:
+            groups = prompt_groups(batch)
+            packed = prompt + max(sum(len(batch[i].completion_ids) for i in group) for group in groups)
+            layers, head = layers + len(groups) * packed, head + len(groups) * (packed - prompt + 1)
+        else:
+            completion = max(len(r.completion_ids) for r in batch)
+            layers, head = layers + len(batch) * (prompt + completion), head + len(batch) * (completion + 1)
+    return layers, head
 
 
 def linear_params(model) -> tuple[int, int]:
-    """Weights in the decoder layers' linear maps (the LoRA factors left out: they are ~3% of the work), and in the LM head."""
+    """Weights in the decoder layers' linear maps (the LoRA factors left out: 5-7% of the update's work at rank 16 on
+    the embedded model), and in the LM head."""
     head = model.get_output_embeddings().weight
     layers = sum(m.weight.numel() for name, m in model.named_modules()
                  if isinstance(m, torch.nn.Linear) and m.weight is not head and "lora_" not in name)
@@ -296,18 +341,22 @@ def matmuls_ms(model, rows: int, repeats: int = 3) -> float:
     decode step would reach with no overhead at all. The best of `repeats`."""
     weights = [m.weight for m in model.modules() if isinstance(m, torch.nn.Linear)]
     inputs = [torch.randn(rows, w.shape[1], dtype=w.dtype, device=w.device) for w in weights]
+    sync = torch.cuda.synchronize if weights[0].is_cuda else lambda: None  # a GPU runs them after Python returns
     best = float("inf")
     with torch.inference_mode():
         for _ in range(repeats):
+            sync()
             start = time.perf_counter()
             for x, w in zip(inputs, weights):
                 torch.nn.functional.linear(x, w)
+            sync()
             best = min(best, time.perf_counter() - start)
     return best * 1000
 
 
 UNUSED = {  # train.py's flags that have no meaning for one timed step: refused, not silently ignored
     "m": "benchmark.py times m = n, n/2 and n/4 (m >= 2) itself",
+    "vllm_sleep": "benchmark.py times generation and the update with vLLM awake",
     **dict.fromkeys(("steps", "time_budget", "save_every_steps", "save_every_minutes", "max_skipped_steps", "warmup_ratio"),
                     "benchmark.py times single steps at a constant learning rate and saves nothing"),
     **dict.fromkeys(("uniform_groups", "max_refill_rounds"), "benchmark.py times --uniform-groups keep against skip itself"),

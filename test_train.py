@@ -1003,13 +1003,24 @@ def test_benchmark_refuses_train_flags_it_would_ignore_in_one_line(flag, capsys)
     assert "(benchmark.py writes nothing)" in " ".join(shown.split())  # --out-dir: only read, with --resume
 
 
-def test_benchmark_counts_the_tokens_an_update_reads_with_the_prompt_per_rollout_or_once_per_group():
+@pytest.mark.parametrize("share", [False, True], ids=["per-row", "shared"])
+@pytest.mark.parametrize("micro_batch", [2, 4, 16])
+def test_benchmark_counts_the_positions_an_update_forwards(tiny_model_dir, share, micro_batch):
+    """benchmark.py's arithmetic counted each rollout's own tokens: no padding, and one LM-head position per completion
+    token, where update.py pads each micro-batch and keeps C + 1 positions a row. Counted against the model's own inputs."""
     import benchmark
+    import update
+    from testkit import mixed_length_groups, update_at_lr_0
 
-    rollouts = [sampling.Rollout([1] * 10, [2] * c, "", False) for c in (3, 4)] + [sampling.Rollout([5] * 6, [2] * 2, "", False)]
-    assert benchmark.tokens_read(rollouts, share_prompt=False, micro_batch=8) == 13 + 14 + 8
-    assert benchmark.tokens_read(rollouts, share_prompt=True, micro_batch=8) == (10 + 3 + 4) + (6 + 2)  # each prompt once per group
-    assert benchmark.tokens_read(rollouts, share_prompt=True, micro_batch=1) == (10 + 3 + 10 + 4) + (6 + 2)  # once per piece
+    model, tokenizer = lora_policy(tiny_model_dir)
+    seen = {"layers": 0, "head": 0}
+    count = lambda name: lambda module, inputs: seen.__setitem__(name, seen[name] + inputs[0].shape[0] * inputs[0].shape[1])
+    model.base_model.model.model.layers[0].register_forward_pre_hook(count("layers"))
+    model.get_output_embeddings().register_forward_pre_hook(count("head"))
+    rollouts = mixed_length_groups()
+    update_at_lr_0(model, rollouts, torch.randn(len(rollouts)), update.UpdateSettings(micro_batch=micro_batch, share_prompt=share),
+                   tokenizer.pad_token_id)
+    assert benchmark.tokens_read(rollouts, share, micro_batch) == (seen["layers"], seen["head"])
 
 
 def test_a_checkpoint_from_before_torchrun_support_resumes_as_a_current_one(tiny_model_dir, tmp_path, length_rewards):
