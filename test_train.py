@@ -278,7 +278,7 @@ def test_help_gives_each_default_the_profiles_by_device(capsys):
     text = " ".join(capsys.readouterr().out.split())  # argparse wraps the lines
     assert "--n N rollouts generated per prompt [32]" in text and "--m M rollouts kept per prompt" in text
     assert "completion length limit [GPU 512, CPU 32]" in text and "[GPU 512, CPU 32] [" not in text
-    assert "before the next generation [off]" in text and "launch its kernels one by one) [on]" in text  # --vllm-sleep, --cuda-graph
+    assert "(vLLM 0.25: its weights too, to host memory and back) [off]" in text and "launch its kernels one by one) [on]" in text  # --vllm-sleep, --cuda-graph
 
 
 def test_the_start_line_names_what_the_cpu_profile_chose_and_no_more():
