@@ -163,6 +163,7 @@ def benchmark(args: train.Args, repeats: int = 2) -> list[dict]:
     policy = snapshot(model, optimizer)  # every timed update starts from it: the timed policy is the one given
     warm_up(sampler, model, optimizer, scheduler, stream, args, tokenizer.pad_token_id)
     policy()
+    sampler.update_weights(model)  # (warm_up handed the sampler its updated adapter: repeat 0 samples the policy given)
     ms = sorted({m for m in (args.n, args.n // 2, args.n // 4) if m >= 2}, reverse=True)
     shares = (False, True)
     vllm = isinstance(sampler, vllm_sampler.VLLMSampler)
@@ -255,7 +256,8 @@ def benchmark(args: train.Args, repeats: int = 2) -> list[dict]:
         print(f"GRPO update, prompt {'shared' if share else 'per row'}: {gflop:.3g} GFLOP in its matrix products ({read:.0f} "
               f"positions through the layers, {head:.0f} through the LM head, padding included; forward and backward"
               f"{', the layers recomputed' if args.gradient_checkpointing else ''}; LoRA's not counted); at the {rate:.0f} GFLOP/s "
-              f"its layers reach alone at a micro-batch's shape that is {gflop / rate:.2g} s: measured {update_alone:.2g} s, "
+              f"its layers reach alone at a micro-batch's shape that is {gflop / rate:.2g} s: measured {update_alone:.2g} s (without "
+              f"the hand-over), "
               f"{update_alone / (gflop / rate):.1f}x its arithmetic")
         arithmetic_s[share] = gflop / rate, rate
     if not vllm:
@@ -277,11 +279,12 @@ def benchmark(args: train.Args, repeats: int = 2) -> list[dict]:
         calls = [rollouts[i:i + per_call] for i in range(0, len(rollouts), per_call)]
         decode_steps = sum(max(len(r.completion_ids) for r in call) for call in calls)
         generation_arithmetic = (2 * layer_params * sum(len(prompt) for prompt, _ in batch) / (rate * 1e9)
-                                 + decode_steps * matmuls_ms(sampler.model, per_call) / 1000)
+                                 + sum(max(len(r.completion_ids) for r in call) * matmuls_ms(sampler.model, len(call))
+                                       for call in calls) / 1000)
         measured = rows[1]
         print(f"GRPO step, prompt shared: {measured['step_s']:.1f} s (generation {measured['generation_s']:.1f}, update "
               f"{measured['update_s']:.1f}); its arithmetic {generation_arithmetic + update_arithmetic:.2g} s (generation "
-              f"{generation_arithmetic:.2g}: {len(batch)} prefills, {decode_steps} decode steps of {per_call} rows; update "
+              f"{generation_arithmetic:.2g}: {len(batch)} prefills, {decode_steps} decode steps of up to {per_call} rows; update "
               f"{update_arithmetic:.2g}): {measured['step_s'] / (generation_arithmetic + update_arithmetic):.1f}x")
     return rows
 

@@ -48,23 +48,27 @@ def _rewards_array(rewards) -> np.ndarray:
     return r
 
 
-def _check_m(m: int, n: int) -> None:
-    try:  # an integer of any kind (numpy's, a 0-d tensor); 2.0 failed as an index, and True kept 1
-        whole = not isinstance(m, bool) and operator.index(m) == m
-    except TypeError:
-        whole = False
-    if not whole:
+def _check_m(m: int, n: int) -> int:
+    """m as a Python int, checked: an integer of any kind (numpy's, a 0-d integer tensor), not a bool (2.0 failed as
+    an index, and True kept 1)."""
+    boolean, scalar = "bool" in str(getattr(m, "dtype", type(m))), getattr(m, "shape", ()) == ()
+    try:
+        whole = operator.index(m) if scalar and not boolean else None
+    except TypeError:  # 2.0, "2"
+        whole = None
+    if whole is None:
         raise ValueError(f"m={m!r} must be a whole number")
-    if m < 1:
+    if whole < 1:
         raise ValueError(f"m={m} must be >= 1")
-    if m > n:
+    if whole > n:
         raise ValueError(f"m={m} must be <= n={n}")
+    return whole
 
 
 def random_downsample(rewards, m: int, rng: np.random.Generator | None = None) -> list[int]:
     """Definition 3.1, random rule: m indices drawn uniformly without replacement."""
     r = _rewards_array(rewards)
-    _check_m(m, len(r))
+    m = _check_m(m, len(r))
     rng = np.random.default_rng() if rng is None else rng
     return sorted(rng.choice(len(r), size=m, replace=False).tolist())
 
@@ -72,7 +76,7 @@ def random_downsample(rewards, m: int, rng: np.random.Generator | None = None) -
 def max_reward_downsample(rewards, m: int) -> list[int]:
     """Definition 3.1, max-reward rule: the m highest rewards (equal rewards: lower index first)."""
     r = _rewards_array(rewards)
-    _check_m(m, len(r))
+    m = _check_m(m, len(r))
     order = np.argsort(-r, kind="stable")
     return sorted(order[:m].tolist())
 
@@ -99,7 +103,7 @@ def max_variance_downsample(rewards, m: int) -> list[int]:
     """
     r = _rewards_array(rewards)
     n = len(r)
-    _check_m(m, n)
+    m = _check_m(m, n)
     order = np.argsort(r, kind="stable")  # ascending; equal rewards keep index order
     x = r[order] - r.mean()
     x = x / max(np.abs(x).max(), np.finfo(np.float64).tiny)  # (all equal: x is all 0, and stays so)
@@ -151,7 +155,7 @@ def downsample(
         raise ValueError(f"group_size={n} must be >= 1")
     if len(r) % n != 0:
         raise ValueError(f"a batch of {len(r)} rewards is not a whole number of groups of group_size={n}")
-    _check_m(m, n)
+    m = _check_m(m, n)
     kept: list[int] = []
     for start in range(0, len(r), n):
         group = r[start : start + n]
@@ -192,7 +196,7 @@ def dynamic_sampling(informative, target: int) -> list[int]:
 def brute_force_max_variance(rewards: Sequence[float], m: int) -> float:
     """The largest variance over all C(n, m) subsets: the reference Lemma 3.1 is checked against."""
     r = _rewards_array(rewards)
-    _check_m(m, len(r))
+    m = _check_m(m, len(r))
     subsets = np.array(list(combinations(range(len(r)), m)))
     return float(r[subsets].var(axis=1).max())
 

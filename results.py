@@ -112,7 +112,7 @@ def base_cache_file(base: str, key: dict) -> Path:
     """Where the base model's result for this results_key is kept: every run of one model starts from the same
     weights, so its step-0 point is evaluated once, not once per run, and again after the code that samples
     changes (so that a run's base point comes from the code its checkpoints do)."""
-    local = os.path.abspath(base) if os.path.isdir(base) else base  # "." or "./m" in two directories: two models
+    local = os.path.abspath(base) if base != models.EMBEDDED and os.path.isdir(base) else base  # "." in two directories: two models
     text = json.dumps({"model": local, **key, **generation_code()}, sort_keys=True)
     return BASE_CACHE / f"{hashlib.sha256(text.encode()).hexdigest()[:16]}.json"
 

@@ -156,6 +156,8 @@ def test_random_rule_draws_every_subset_of_m_equally_whatever_the_rewards():
         (lambda: pods.max_reward_downsample([1.0, 2.0], 3), "m=3 must be <= n=2"),
         (lambda: pods.downsample([1.0, 2.0, 3.0], 2.0), "m=2.0 must be a whole number"),  # an IndexError; m=True kept 1
         (lambda: pods.downsample([1.0, 2.0, 3.0], True), "m=True must be a whole number"),
+        (lambda: pods.max_reward_downsample([1.0, 2.0, 3.0], torch.tensor(True)), "m=tensor(True) must be a whole number"),
+        (lambda: pods.max_variance_downsample([1.0, 2.0, 3.0], torch.tensor([2])), "m=tensor([2]) must be a whole number"),
         (lambda: pods.downsample([1.0, 2.0, 3.0], 1, group_size=2), "a batch of 3 rewards is not a whole number of groups of group_size=2"),
         (lambda: pods.downsample([1.0, float("nan")], 1), "rewards must be finite, got [nan]"),
         (lambda: pods.random_downsample([1.0, float("inf")], 1), "rewards must be finite, got [inf]"),
@@ -173,6 +175,14 @@ def test_bad_input_raises_a_value_error_naming_the_values(call, message):
     with pytest.raises(ValueError) as err:
         call()
     assert message in str(err.value)
+
+
+@pytest.mark.parametrize("m", [np.int64(2), np.array(2), torch.tensor(2)], ids=["numpy-int", "numpy-0d", "torch-0d"])
+def test_m_may_be_any_kind_of_integer(m):
+    rewards_ = [0.0, 1.0, 0.0, 1.0, 0.5, 0.2]
+    rng = lambda: np.random.default_rng(0)
+    assert pods.downsample(rewards_, m) == pods.downsample(rewards_, 2) and pods.max_reward_downsample(rewards_, m) == [1, 3]
+    assert pods.random_downsample(rewards_, m, rng()) == pods.random_downsample(rewards_, 2, rng())
 
 
 FULL = rewards.CORRECT_REWARD + rewards.STRUCTURE_REWARD + 4 * rewards.TAG_REWARD
