@@ -93,12 +93,12 @@ def snapshot(model, optimizer):
     """A function that puts the trainable weights and the optimizer's state back as they are now: each timed update
     (and the warm-up's) is undone, so every one starts from the policy given, fresh or --resume's (an update per
     variant moved it 7 steps a repeat at n=8)."""
-    weights = [p.detach().clone() for p in model.parameters() if p.requires_grad]
-    state = copy.deepcopy(optimizer.state_dict())
+    params = [p for p in model.parameters() if p.requires_grad]
+    weights, state = [p.detach().clone() for p in params], copy.deepcopy(optimizer.state_dict())
 
     def restore() -> None:
         with torch.no_grad():
-            for p, saved in zip([p for p in model.parameters() if p.requires_grad], weights):
+            for p, saved in zip(params, weights):
                 p.copy_(saved)
         optimizer.load_state_dict(copy.deepcopy(state))
 
@@ -276,11 +276,12 @@ def benchmark(args: train.Args, repeats: int = 2) -> list[dict]:
         # (--gen-batch rows, whole groups) as many decode steps as its longest completion, at its rows' matmul rate
         update_arithmetic, rate = arithmetic_s[True]
         per_call = min(len(rollouts), max(1, args.gen_batch // args.n) * args.n)
-        calls = [rollouts[i:i + per_call] for i in range(0, len(rollouts), per_call)]
-        decode_steps = sum(max(len(r.completion_ids) for r in call) for call in calls)
+        calls = [(max(len(r.completion_ids) for r in rollouts[i:i + per_call]), len(rollouts[i:i + per_call]))
+                 for i in range(0, len(rollouts), per_call)]  # (decode steps, rows) of each generate call
+        floors = {rows_per_step: floor} | {rows: matmuls_ms(sampler.model, rows) for rows in {rows for _, rows in calls} - {rows_per_step}}
+        decode_steps = sum(steps for steps, _ in calls)
         generation_arithmetic = (2 * layer_params * sum(len(prompt) for prompt, _ in batch) / (rate * 1e9)
-                                 + sum(max(len(r.completion_ids) for r in call) * matmuls_ms(sampler.model, len(call))
-                                       for call in calls) / 1000)
+                                 + sum(steps * floors[rows] for steps, rows in calls) / 1000)
         measured = rows[1]
         print(f"GRPO step, prompt shared: {measured['step_s']:.1f} s (generation {measured['generation_s']:.1f}, update "
               f"{measured['update_s']:.1f}); its arithmetic {generation_arithmetic + update_arithmetic:.2g} s (generation "

@@ -206,13 +206,13 @@ def without_dropout(model) -> None:
     0.05 nats on average between sampler and trainer where rounding gives 1e-6. Llama and Qwen2 have none already.
     The rates are modules (nn.Dropout and its kin), numbers a module keeps (Llama's attention_dropout, MPT's
     attn_dropout_p, GPT-2's resid_pdrop) or numbers of the config a module reads as it runs (Falcon's hidden_dropout)."""
-    for module in model.modules():
-        if isinstance(module, torch.nn.modules.dropout._DropoutNd):
-            module.p = 0.0
-        for owner in (module, getattr(module, "config", None)):
-            for name, value in list(vars(owner).items()) if owner is not None else ():
-                if "drop" in name.lower() and isinstance(value, float):  # (dropout, pdrop, layerdrop: all probabilities)
-                    setattr(owner, name, 0.0)
+    configs = {id(m.config): m.config for m in model.modules() if getattr(m, "config", None) is not None}  # (shared)
+    for owner in [*model.modules(), *configs.values()]:
+        if isinstance(owner, torch.nn.modules.dropout._DropoutNd):
+            owner.p = 0.0
+        for name, value in list(vars(owner).items()):
+            if "drop" in name.lower() and isinstance(value, float):  # (dropout, pdrop, layerdrop: all probabilities)
+                setattr(owner, name, 0.0)
 
 
 def check_context(config, sequence_len: int, model_name: str) -> None:

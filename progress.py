@@ -76,10 +76,16 @@ def nothing_left(args, state: dict) -> bool:
     return state["step"] >= args.steps or budget_spent(args, state)
 
 
-def nothing_left_line(args, state: dict, out_dir: Path) -> str:
-    reached = f"past --time-budget {args.time_budget:g}" if budget_spent(args, state) else f"at --steps {args.steps}"
-    return (f"{out_dir} is {reached} (step {state['step']}, {state['elapsed_s'] / 60:.1f} min of training): nothing to "
-            f"train; a larger one continues it")
+def say_resumed(args, state: dict, out_dir: Path, changes: list[str]) -> None:
+    """After a checkpoint is loaded: that the run is at its --steps or past its --time-budget, or else the settings it
+    trains on with that differ from the run's (checkpoint.check_resume_config's warnings)."""
+    if nothing_left(args, state):
+        reached = f"past --time-budget {args.time_budget:g}" if budget_spent(args, state) else f"at --steps {args.steps}"
+        log.info("%s is %s (step %d, %.1f min of training): nothing to train; a larger one continues it", out_dir, reached,
+                 state["step"], state["elapsed_s"] / 60)
+        return
+    for change in changes:
+        log.warning("%s", change)
 
 
 def count_skipped(update: dict, skipped_in_a_row: int, step: int) -> int:

@@ -321,10 +321,7 @@ def train(args: Args, world: distributed.World = distributed.World()) -> Path:
             if world.is_main:
                 checkpoint.drop_rows_after(metrics_path, state["step"])
             log.info("resumed from %s: step %d, %.0f s of training", resume_from, state["step"], state["elapsed_s"])
-            if progress.nothing_left(args, state):
-                log.info("%s", progress.nothing_left_line(args, state, out_dir))
-            for change in [] if progress.nothing_left(args, state) else changes:  # settings it trains on with, changed
-                log.warning("%s", change)
+            progress.say_resumed(args, state, out_dir, changes)
             sampler.update_weights(model)
         if world.is_main and not progress.nothing_left(args, state):  # a run already there keeps its config.json (its own settings)
             run_config = dataclasses.asdict(args) | {"model_resolved": model_name, "device": device, "torch": torch.__version__,
