@@ -27,6 +27,7 @@ abbreviations of its own options (--nnodes, --nproc-per-node, --master-port, ...
 from __future__ import annotations
 
 import contextlib
+import math
 import os
 from dataclasses import dataclass
 
@@ -133,11 +134,19 @@ def reduce_row(row: dict, world: World, maxima: tuple[str, ...]) -> dict:
     informative_rows are made global before, and so come out as they went in.)"""
     if not world.launched:
         return row
-    keys = [k for k, v in row.items() if isinstance(v, (int, float)) and not isinstance(v, bool)]
-    means, maxes = _tensor([row[k] for k in keys]), _tensor([row[k] for k in keys])
-    dist.all_reduce(means, op=dist.ReduceOp.SUM)
+    mine = {k: v for k, v in row.items() if isinstance(v, (int, float)) and not isinstance(v, bool)}
+    # Every rank's keys, in one order. A rank can lack some (policy_update's sampler_gap_* when its kept completions
+    # are all empty), and an all_reduce of tensors of unequal lengths aborts gloo and can hang NCCL. A key some ranks
+    # lack is the mean over the ranks that have it.
+    keys = list(dict.fromkeys(k for theirs in gather(list(mine), world) for k in theirs))
+    sums = _tensor([mine.get(k, 0.0) for k in keys])
+    counts = _tensor([float(k in mine) for k in keys])
+    maxes = _tensor([mine.get(k, -math.inf) for k in keys])
+    dist.all_reduce(sums, op=dist.ReduceOp.SUM)
+    dist.all_reduce(counts, op=dist.ReduceOp.SUM)
     dist.all_reduce(maxes, op=dist.ReduceOp.MAX)
-    return row | {k: type(row[k])((maxes[i] if k in maxima else means[i] / world.size).item()) for i, k in enumerate(keys)}
+    return row | {k: type(mine.get(k, 0.0))((maxes[i] if k in maxima else sums[i] / counts[i]).item())
+                  for i, k in enumerate(keys)}
 
 
 def gather(obj, world: World) -> list:

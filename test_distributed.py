@@ -550,3 +550,29 @@ def test_a_rank_killed_mid_step_under_torchrun_max_restarts_resumes_and_ends_as_
             assert resumed[key] == pytest.approx(uninterrupted[key], abs=1e-6), key
     a, b = load_file(out / "checkpoint-4" / "adapter_model.safetensors"), load_file(straight / "checkpoint-4" / "adapter_model.safetensors")
     assert max((a[k] - b[k]).abs().max().item() for k in a) <= 1e-6
+
+
+def uneven_keys_worker(rank: int, port: int, out: str) -> None:
+    """policy_update reports sampler_gap_* only where its rows had a completion token: a rank whose kept completions
+    were all empty (EOS first) has no such keys, the other has."""
+    os.environ.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE="2", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    world = distributed.world_from_env()
+    distributed.start(world)
+    row = {"generation_s": 1.0 + rank, "loss": 0.25 * rank}
+    if rank == 0:
+        row |= {"sampler_gap_mean": 0.01, "sampler_gap_max": 0.5}
+    row |= {"grad_norm": 0.3, "skipped": 0}
+    torch.save(distributed.reduce_row(row, world, maxima=("generation_s", "sampler_gap_max")), Path(out) / f"rank{rank}.pt")
+    distributed.finish(world)
+
+
+def test_metrics_rows_whose_keys_differ_between_ranks_are_reduced_not_aborted(tmp_path):
+    """gloo aborted rank 1 (gloo::EnforceNotMet, an all_reduce of 6 numbers against 4): the torchrun job died at the
+    step's metrics row, with no checkpoint and no line saying why. A key some ranks lack is reduced over those that have it."""
+    import torch.multiprocessing as mp
+
+    mp.spawn(uneven_keys_worker, args=(free_port(), str(tmp_path)), nprocs=2, join=True)
+    rows = [torch.load(tmp_path / f"rank{r}.pt") for r in (0, 1)]
+    assert rows[0] == rows[1]
+    assert rows[0]["generation_s"] == 2.0 and rows[0]["loss"] == pytest.approx(0.125) and rows[0]["skipped"] == 0
+    assert rows[0]["sampler_gap_mean"] == pytest.approx(0.01) and rows[0]["sampler_gap_max"] == 0.5
