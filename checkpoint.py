@@ -313,7 +313,12 @@ def check_resume_config(out_dir: Path, args, world_size: int = 1, resumed_from: 
         must_match = tuple(k for k in must_match if k != "model")
 
     def differing(names: tuple[str, ...]) -> list[str]:  # those of `names` the run saved with another value
-        return [k for k in names if k in saved and saved_value(k) != getattr(args, k)]
+        return [k for k in names if k in saved and not same_value(k)]
+
+    def same_value(name: str) -> bool:  # a path flag naming the same file ("./d.jsonl" and "/home/me/d.jsonl") is the same
+        old, new = saved_value(name), getattr(args, name)
+        return old == new or (name in config.PATH_FLAGS and isinstance(old, str) and isinstance(new, str)
+                              and os.path.exists(old) and os.path.exists(new) and os.path.samefile(old, new))
 
     def saved_value(name: str):  # a path as the command line now reads it: "~/d.jsonl" was saved unexpanded before 29 Nov 2026
         return os.path.expanduser(saved[name]) if name in config.PATH_FLAGS and isinstance(saved[name], str) else saved[name]
@@ -359,7 +364,8 @@ def write_config(out_dir: Path, settings: dict, resumed_step: int | None = None)
     "auto" as "embedded"): eval.py's results and --plot compare them as written."""
     path = out_dir / "config.json"
     old = settings_at(json.loads(path.read_text()), resumed_step) if path.exists() and resumed_step is not None else {}
-    settings = settings | {k: old[k] for k in ("model", "model_resolved") if k in old}
+    kept = ("dataset",) + (() if model_moved(old.get("model_resolved", ""), settings["model_resolved"]) else ("model", "model_resolved"))
+    settings = settings | {k: old[k] for k in kept if k in old}
     history = old.pop("changed_on_resume", [])
     changed = {k: [old[k], settings[k]] for k in RETUNABLE if k in old and old[k] != settings[k]}
     if changed:
@@ -403,8 +409,17 @@ def check_resumed_model(out_dir: Path, trained: str, model_name: str) -> None:
     """--resume loads `model_name`, the model --model resolves to, and the run `out_dir` trained `trained` (its adapter
     fits only that one). Compared as resolved: "auto" and "embedded" are one model on a CPU, "./m" and "/home/me/m" one
     directory (--model was compared as typed: a run begun with "auto" was told to pass the model's name, then refused)."""
+    if model_moved(trained, model_name):  # the run's local directory is gone (moved, or the run copied to another machine)
+        log.warning("--resume: %s trained %s, which is not here any more; continuing with %s as that model (config.json will "
+                    "name it)", out_dir, trained, model_name)
+        return
     if trained != model_name and not (os.path.exists(trained) and os.path.exists(model_name) and os.path.samefile(trained, model_name)):
         raise config.UsageError(f"--resume: {out_dir} trained {trained}, but this command loads {model_name}; pass --model {trained}")
+
+
+def model_moved(trained: str, model_name: str) -> bool:
+    """Whether the run's model was a local directory that no longer exists, and this command names a local directory."""
+    return trained.startswith(("/", ".", "~")) and not os.path.exists(trained) and os.path.isdir(model_name)
 
 
 def take_optimizer_settings(optimizer, scheduler, args) -> None:

@@ -112,6 +112,14 @@ def show_progress(bar, args, state: dict, row: dict) -> None:
         log.warning("progress bar failed (%s: %s); training goes on", type(err).__name__, err)
 
 
+def close_bar(bar) -> None:
+    """Close the bar; a failure (its terminal or pipe gone: `| tee` dies of the same Ctrl-C) is logged, not raised."""
+    try:
+        bar.close()
+    except Exception as err:  # noqa: BLE001 - a display failure must not change how the run ends
+        log.warning("progress bar failed (%s: %s)", type(err).__name__, err)
+
+
 def step_metrics(rounds, n, m) -> dict:
     """A step's rewards, accuracy and completions over the generation rounds given (train.Round: .scored, .kept): over all their
     rollouts (n per prompt), and `kept_*` over the kept ones (m per prompt)."""
@@ -151,7 +159,10 @@ def say_at_exit(message: str, world: distributed.World = distributed.World(), th
     `this_rank_only`: a failure of this rank, not of all alike (out of memory, with its own completion lengths): the
     rank says it at once, with its number (rank 0 may only see the others leave, as a lost connection)."""
     if world.is_main or this_rank_only:
-        print(message if world.is_main else f"[rank {world.rank}] {message}", file=sys.stderr, flush=True)
+        try:
+            print(message if world.is_main else f"[rank {world.rank}] {message}", file=sys.stderr, flush=True)
+        except OSError:  # stderr's reader is gone (`| tee`, killed by the same Ctrl-C): the exit status still says it
+            pass
     else:
         time.sleep(RANK_0_FIRST_S)
 
@@ -182,6 +193,13 @@ def out_of_memory_line(out_dir: Path) -> str:
 
 
 STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM)
+
+
+def stop_signals() -> tuple:
+    """STOP_SIGNALS, and SIGHUP (the terminal closed, an ssh connection dropped: it killed the run without a checkpoint)
+    where it would kill the process: not under nohup, which ignores it so that the run goes on."""
+    hup = getattr(signal, "SIGHUP", None)
+    return STOP_SIGNALS + ((hup,) if hup is not None and signal.getsignal(hup) == signal.SIG_DFL else ())
 
 
 def set_handlers(handlers: dict) -> dict:

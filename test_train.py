@@ -1577,3 +1577,62 @@ def test_refill_resumed_at_step_2_ends_as_an_uninterrupted_run(tiny_model_dir, t
     assert [r["step"] for r in read_metrics(interrupted)] == [1] and checkpoint.find(interrupted)[-1].name == "checkpoint-1"
     assert train.main(tiny_args(tiny_model_dir, interrupted, "--steps", "3", *flags, "--resume")) == 0
     assert untimed(read_metrics(interrupted)) == untimed(rows)
+
+
+def test_a_ctrl_c_that_also_ends_the_pipe_reading_the_run_ends_it_as_a_ctrl_c(tiny_model_dir, tmp_path, monkeypatch, length_rewards):
+    """`python train.py 2>&1 | tee log`, then Ctrl-C: tee dies of it too, and the run's next write to stderr meets a broken
+    pipe. The bar's close (train_loop's finally) raised BrokenPipeError after the checkpoint: a traceback, exit 1, not 130."""
+    class Pipe:  # stderr, until its reader is gone
+        gone = False
+
+        def write(self, text):
+            if self.gone:
+                raise BrokenPipeError(32, "Broken pipe")
+            return len(text)
+
+        def flush(self):
+            if self.gone:
+                raise BrokenPipeError(32, "Broken pipe")
+
+    pipe = Pipe()
+    monkeypatch.setattr(sys, "stderr", pipe)
+
+    def ctrl_c_to_the_pipeline():
+        pipe.gone = True
+        os.kill(os.getpid(), signal.SIGINT)
+
+    interrupt_call(monkeypatch, train, "policy_update", 2, ctrl_c_to_the_pipeline)
+    out = tmp_path / "run"
+    assert train.main(tiny_args(tiny_model_dir, out, "--steps", "5")) == 130
+    assert [r["step"] for r in read_metrics(out)] == [1, 2] and checkpoint.find(out)[-1].name == "checkpoint-2"
+
+
+def test_resume_takes_a_dataset_or_a_model_by_another_path_to_the_same_or_a_moved_file(tiny_model_dir, tmp_path, monkeypatch, length_rewards):
+    """--dataset was compared as typed: "./d.jsonl" and its whole path were refused as another dataset; and a run whose
+    local model directory moved (or was copied to another machine) was told to pass --model at the old path, which
+    no longer exists: no resume at all without editing config.json."""
+    dataset = tmp_path / "d.jsonl"
+    dataset.write_text("".join(json.dumps({"question": f"What is {i} + 1?", "answer": f"#### {i + 1}"}) + "\n" for i in range(20)))
+    model = tmp_path / "model"
+    shutil.copytree(tiny_model_dir, model)
+    out = tmp_path / "run"
+    monkeypatch.chdir(tmp_path)
+    assert train.main(tiny_args(model, out, "--steps", "1", "--dataset", "./d.jsonl")) == 0
+    moved = model.rename(tmp_path / "moved")
+    assert train.main(tiny_args(moved, out, "--steps", "2", "--dataset", str(dataset), "--resume")) == 0
+    saved = json.loads((out / "config.json").read_text())
+    assert saved["dataset"] == "./d.jsonl" and saved["model_resolved"] == str(moved)
+    assert [r["step"] for r in read_metrics(out)] == [1, 2]
+
+
+@pytest.mark.parametrize("ignored", [False, True], ids=["terminal", "nohup"])
+def test_a_hangup_finishes_the_step_and_saves_unless_nohup_ignores_it(tiny_model_dir, tmp_path, monkeypatch, request, ignored, length_rewards):
+    """SIGHUP (the terminal closed, the ssh connection dropped) killed the run at once: every step since the last checkpoint
+    was lost, where SIGINT and SIGTERM finish the step and save. Under nohup, which ignores it, the run goes on."""
+    request.addfinalizer(lambda before=signal.getsignal(signal.SIGHUP): signal.signal(signal.SIGHUP, before))
+    signal.signal(signal.SIGHUP, signal.SIG_IGN if ignored else signal.SIG_DFL)
+    interrupt_call(monkeypatch, train, "policy_update", 2, signal.SIGHUP)
+    out = tmp_path / "run"
+    assert train.main(tiny_args(tiny_model_dir, out, "--steps", "3")) == (0 if ignored else 130)
+    assert [p.name for p in checkpoint.find(out)] == ["checkpoint-3" if ignored else "checkpoint-2"]
+    assert signal.getsignal(signal.SIGHUP) == (signal.SIG_IGN if ignored else signal.SIG_DFL)

@@ -123,7 +123,7 @@ def train_loop(args, model, tokenizer, optimizer, scheduler, sampler, stream, st
     loop on its share of the prompts; `distributed.any_rank` and `reduce_row` keep the ranks agreeing on when to
     stop and on what to report, and only rank 0 writes."""
     stop = {"requested": False}
-    previous_handlers = progress.set_handlers({sig: progress.ctrl_c_handler(stop) for sig in progress.STOP_SIGNALS})
+    previous_handlers = progress.set_handlers({sig: progress.ctrl_c_handler(stop) for sig in progress.stop_signals()})
     last_save_s = state["elapsed_s"]
     last_saved_step = state["step"] if resumed else -1  # a fresh run stopped before its first step still saves checkpoint-0
     bar = progress.progress_bar(args, state, world)
@@ -180,7 +180,7 @@ def train_loop(args, model, tokenizer, optimizer, scheduler, sampler, stream, st
                                 f"--max-grad-norm, or pass --no-bf16-autocast, then --resume{' with more --steps' * (state['step'] >= args.steps)}")
     finally:
         progress.restore_handlers(previous_handlers)  # only now: a Ctrl-C during the last save is still a first one
-        bar.close()
+        progress.close_bar(bar)
     if distributed.any_rank(stop["requested"], world) and state["step"] < args.steps and not progress.budget_spent(args, state):
         raise KeyboardInterrupt  # on every rank, where a signal reached one (rank 0 says so); a Ctrl-C in the last step: done
 
