@@ -137,9 +137,11 @@ def resolve(args, device: str, world_size: int = 1):
         raise UsageError(f"unknown --uniform-groups {args.uniform_groups!r}; choose one of {', '.join(UNIFORM_GROUPS)}")
     if args.backend not in ("auto", "vllm", "hf"):
         raise UsageError(f"unknown --backend {args.backend!r}; choose vllm, hf or auto")
-    vllm_sampler.uses_vllm(args.backend, device)  # --backend vllm without vLLM: said now, not once the model has loaded
+    vllm = vllm_sampler.uses_vllm(args.backend, device)  # --backend vllm without vLLM: said now, not once the model has loaded
     if args.temperature <= 0:
         raise UsageError(f"--temperature {args.temperature} must be > 0: GRPO samples its rollouts")
+    if vllm and args.temperature < 0.01:  # vLLM samples at 0.01 when asked for less, and the update would score at the flag's
+        raise UsageError(f"--temperature {args.temperature} is below vLLM's lowest, 0.01; raise it or pass --backend hf")
     if args.beta < 0:
         raise UsageError(f"--beta {args.beta} must be >= 0")
     check_optimizer_flags(args)

@@ -31,6 +31,9 @@ def test_vllm_flags_are_checked(tmp_path, capsys):
     assert "--gpu-memory-utilization 1.5 must be in (0, 1]" in capsys.readouterr().err
     assert train.main(["--vllm-kv-cache-gb", "0", "--out-dir", str(tmp_path / "r")]) == 2
     assert "--vllm-kv-cache-gb 0.0 must be > 0" in capsys.readouterr().err
+    if vllm_sampler.vllm_available():  # vLLM samples at 0.01 when asked for less; the update would score at 0.005
+        assert train.main(["--backend", "vllm", "--temperature", "0.005", "--out-dir", str(tmp_path / "r")]) == 2
+        assert "--temperature 0.005 is below vLLM's lowest, 0.01" in capsys.readouterr().err
 
 
 def perturbed_adapter(base_dir: Path, out: Path, seed: int) -> Path:
