@@ -373,7 +373,11 @@ HELPS = {"out_dir": "with --resume: the run whose last checkpoint's adapter is t
 def main(argv: list[str] | None = None) -> int:
     """train.py's flags (config.parse_args over train.Args) but those in UNUSED; a bad one exits 2 with one line, as train.py's do."""
     args = config.parse_args(train.Args, sys.argv[1:] if argv is None else argv, __doc__.split("\n")[0], UNUSED, HELPS)
-    world = distributed.world_from_env()
+    try:
+        world = distributed.world_from_env()
+    except distributed.LaunchError as err:
+        print(f"error: {err}", file=sys.stderr)
+        return 2
     if world.launched:  # each rank would time the whole batch on its own, all on one GPU
         progress.say_at_exit("error: benchmark.py times one process; run it with python, not torchrun", world)
         return 2

@@ -119,12 +119,16 @@ def resolve(args, device: str, world_size: int = 1):
     for name, value in vars(args).items():  # NaN would pass every check below; inf is a limit left off, no rate or size
         if isinstance(value, float) and (math.isnan(value) or math.isinf(value) and name not in UNBOUNDED):
             raise UsageError(f"--{name.replace('_', '-')} {value} must be a {'number' if math.isnan(value) else 'finite number'}")
+    for name, value in vars(args).items():  # 2^63 overflowed torch after the model had loaded (a traceback, a run left behind)
+        if isinstance(value, int) and not isinstance(value, bool) and value >= MAX_SEED and name != "seed":
+            raise UsageError(f"--{name.replace('_', '-')} {value} is too large (at most {MAX_SEED - 1})")
     if args.rule not in RULES:
         raise UsageError(f"unknown --rule {args.rule!r}; choose one of {', '.join(RULES)}")
     if args.n < 2:
         raise UsageError(f"--n {args.n} must be >= 2 (advantages need a group)")
+    defaults = {f.name: f.default for f in dataclasses.fields(args)}
     if args.rule == "none":
-        if args.m != args.n:
+        if args.m not in (args.n, defaults["m"]):  # a --m given (the default's 16 is not the user's)
             log.info("--rule none trains on all n=%d rollouts (vanilla GRPO); --m %d is not used", args.n, args.m)
         args = dataclasses.replace(args, m=args.n)
     if args.m > args.n:
@@ -154,6 +158,9 @@ def resolve(args, device: str, world_size: int = 1):
     for name in ("seed", "time_budget", "save_every_steps", "save_every_minutes"):  # 0: no limit, or off
         if getattr(args, name) < 0:
             raise UsageError(f"--{name.replace('_', '-')} {getattr(args, name)} must be >= 0")
+    if args.max_refill_rounds != defaults["max_refill_rounds"] and args.uniform_groups != "refill":
+        raise UsageError(f"--max-refill-rounds is used by --uniform-groups refill only (this run: {args.uniform_groups}); "
+                         f"leave it out or pass --uniform-groups refill")
     if args.seed >= MAX_SEED:
         raise UsageError(f"--seed {args.seed} must be < 2^31 = {MAX_SEED}")
     if args.prompts_per_step % world_size:
@@ -162,7 +169,6 @@ def resolve(args, device: str, world_size: int = 1):
     vllm_sampler.check_vllm_memory_flags(args.gpu_memory_utilization, args.vllm_kv_cache_gb)
     if args.vllm_sleep and device != "cuda":
         raise UsageError("--vllm-sleep needs a GPU: vLLM has no sleep mode on a CPU (it frees GPU memory for the update)")
-    defaults = {f.name: f.default for f in dataclasses.fields(args)}
     vllm_sampler.check_vllm_flags_used(args.backend, device, [f"--{name.replace('_', '-')}" for name in VLLM_FLAGS
                                                                if getattr(args, name) != defaults[name]])
     if forced:  # warnings last: a command with an error gets the error alone
@@ -192,6 +198,11 @@ def check_optimizer_flags(args) -> None:
     for name in ("clip_eps", "clip_eps_high"):
         if getattr(args, name) is not None and getattr(args, name) < 0:
             raise UsageError(f"--{name.replace('_', '-')} {getattr(args, name)} must be >= 0: the ratio is clipped to [1 - eps, 1 + eps_high]")
+    defaults = {f.name: f.default for f in dataclasses.fields(args)}
+    for name in ("clip_eps", "clip_eps_high"):  # one update per batch: the old log-probs are the new, rho = 1
+        if getattr(args, name) != defaults[name]:
+            raise UsageError(f"--{name.replace('_', '-')} {getattr(args, name)} has no effect: each batch of rollouts gets one "
+                             f"update, so the ratio is 1 and nothing is clipped (grpo.grpo_loss); leave it out")
 
 
 def merged_dtype(args) -> torch.dtype:

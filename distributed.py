@@ -51,12 +51,24 @@ class World:
         return self.rank == 0
 
 
+class LaunchError(ValueError):
+    """RANK set without the rest of what torchrun sets (a variable left over in the shell or a job's environment)."""
+
+
 def world_from_env() -> World:
     """The World torchrun describes in the environment (read before any process group exists,
     so that bad settings are reported before the ranks meet)."""
     if "RANK" not in os.environ:
         return World()
-    return World(int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"]), int(os.environ.get("LOCAL_RANK", 0)), True)
+    missing = [name for name in ("WORLD_SIZE",) if name not in os.environ]  # (MASTER_ADDR: checked as the ranks meet, start)
+    try:
+        if not missing:
+            return World(int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"]), int(os.environ.get("LOCAL_RANK", 0)), True)
+    except ValueError:
+        pass
+    problem = f"{', '.join(missing)} {'is' if len(missing) == 1 else 'are'} not set" if missing else "RANK, WORLD_SIZE or LOCAL_RANK is not a number"
+    raise LaunchError(f"RANK is set in the environment but {problem}, as torchrun sets them: launch with torchrun, "
+                      f"or unset RANK to run one process")
 
 
 def start(world: World) -> None:
@@ -71,7 +83,11 @@ def start(world: World) -> None:
     (TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1, which config.check_torchrun asks for)."""
     if not world.launched or dist.is_initialized():
         return
-    store, _, _ = next(dist.rendezvous("env://"))
+    try:
+        store, _, _ = next(dist.rendezvous("env://"))
+    except ValueError as err:  # "environment variable MASTER_ADDR expected, but not set": RANK left over, not torchrun
+        raise LaunchError(f"RANK is set in the environment but {str(err).split(': ')[-1]}: launch with torchrun, "
+                          f"or unset RANK to run one process") from None
     if os.environ.get("GROUP_WORLD_SIZE", "1") == "1":  # one node: one agent, whose restart count every rank shares
         store = dist.PrefixStore(f"pods-attempt-{os.environ.get('TORCHELASTIC_RESTART_COUNT', '0')}", store)
     if torch.cuda.is_available():

@@ -341,7 +341,7 @@ def parse_limit(text: str | None, dataset: str) -> int | None:
         return ARITH_LIMIT if data.arith_levels(dataset) is not None else None
     if text == "all":
         return None
-    if not text.isdigit() or int(text) < 1:
+    if not text.isdecimal() or int(text) < 1:  # (isdigit took '²', which int() refuses)
         raise EvalError(f"--limit {text} must be a number >= 1 or 'all'")
     size = len(data.load_examples(dataset, "test"))
     if int(text) >= size:

@@ -545,6 +545,11 @@ def test_plot_rejects_a_target_frac_outside_0_to_1_in_one_line(frac, tmp_path, c
     assert capsys.readouterr().err == f"error: --target-frac {float(frac)} must be in (0, 1]: a share of the baseline's peak accuracy\n"
 
 
+def test_a_limit_of_digits_int_cannot_read_is_refused_in_one_line():
+    with pytest.raises(evaluation.EvalError, match="--limit ² must be a number >= 1 or 'all'"):  # a ValueError traceback
+        evaluation.parse_limit("²", "arith")
+
+
 def test_eval_limit_defaults_to_the_whole_test_set_for_gsm8k_and_jsonl_and_200_for_arith(tmp_path):
     assert evaluation.parse_limit(None, "gsm8k") is None and evaluation.parse_limit(None, "data/test.jsonl") is None
     assert evaluation.parse_limit(None, "arith") == 200 and evaluation.parse_limit(None, "arith:12") == 200

@@ -433,6 +433,11 @@ def test_ctrl_c_that_kills_the_generation_engine_saves_the_last_finished_step(ti
         (["--time-budget", "nan"], "--time-budget nan must be a number"),
         (["--time-budget", "inf"], "--time-budget inf must be a finite number"),
         (["--vllm-kv-cache-gb", "nan"], "--vllm-kv-cache-gb nan must be a number"),
+        (["--clip-eps", "0.3"], "--clip-eps 0.3 has no effect"),  # one update per batch: adapters byte-identical at 0, 0.2, 100
+        (["--clip-eps-high", "0.28"], "--clip-eps-high 0.28 has no effect"),
+        (["--max-refill-rounds", "8"], "--max-refill-rounds is used by --uniform-groups refill only (this run: keep)"),
+        (["--n", str(2**63), "--m", "2"], f"--n {2**63} is too large"),  # an overflow traceback once the model had loaded
+        (["--lora-rank", str(10**20)], f"--lora-rank {10**20} is too large"),
     ],
 )
 def test_bad_input_exits_2_with_one_line(argv, message, tmp_path, capsys):
@@ -742,8 +747,38 @@ def test_resolve_on_a_gpu_gives_the_authors_single_gpu_configuration():
 
 
 def test_an_infinite_clip_or_cap_is_no_limit_and_accepted():
-    args = config.resolve(train.Args(max_grad_norm=math.inf, clip_eps=math.inf, tis_cap=math.inf), "cpu")
-    assert args.max_grad_norm == args.clip_eps == args.tis_cap == math.inf
+    args = config.resolve(train.Args(max_grad_norm=math.inf, tis_cap=math.inf), "cpu")
+    assert args.max_grad_norm == args.tis_cap == math.inf
+
+
+def test_rule_none_mentions_m_only_when_it_was_given(caplog):
+    """`--rule none --n 4` said "--m 16 is not used": a --m nobody passed (the default's)."""
+    with caplog.at_level(logging.INFO, logger="pods"):
+        assert config.resolve(train.Args(rule="none", n=4), "cpu").m == 4
+    assert "--m" not in caplog.text
+    with caplog.at_level(logging.INFO, logger="pods"):
+        config.resolve(train.Args(rule="none", n=4, m=3), "cpu")
+    assert "--m 3 is not used" in caplog.text
+
+
+def test_rank_without_the_rest_of_torchruns_environment_exits_2_with_one_line(tmp_path, monkeypatch, capsys):
+    """RANK left in the environment: a KeyError traceback (WORLD_SIZE), or env:// rendezvous's for MASTER_ADDR after
+    --out-dir was made."""
+    import benchmark
+
+    for name in ("WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT"):
+        monkeypatch.delenv(name, raising=False)
+    monkeypatch.setenv("RANK", "0")
+    for main in (train.main, benchmark.main):
+        assert main(["--dataset", "arith", "--out-dir", str(tmp_path / "run")]) == 2
+        err = capsys.readouterr().err
+        assert err.startswith("error: RANK is set in the environment but WORLD_SIZE is not set") and err.count("\n") == 1
+    assert not (tmp_path / "run").exists()
+    monkeypatch.setenv("WORLD_SIZE", "1")  # a job's environment with one process: env:// rendezvous' traceback (MASTER_ADDR)
+    monkeypatch.setattr(train, "load_trainable_policy", None)  # not reached
+    assert train.main(["--dataset", "arith", "--out-dir", str(tmp_path / "run")]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("error: RANK is set in the environment but environment variable MASTER_ADDR expected") and err.count("\n") == 1
 
 
 def test_m_equal_to_n_says_the_run_is_vanilla_grpo(caplog):

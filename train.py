@@ -84,8 +84,8 @@ class Args:
     lora_rank: int | None = arg(None, "LoRA rank on all attention and MLP projections [GPU 64, CPU 16]")
     lora_alpha: int | None = arg(None, "LoRA alpha [GPU 64, CPU 32]")
     micro_batch: int | None = arg(None, "rollouts per forward/backward pass; gradients accumulate over the kept rollouts [GPU 4, CPU 8]")
-    clip_eps: float = arg(0.2, "PPO clip range epsilon")
-    clip_eps_high: float | None = arg(None, "upper clip range (default: --clip-eps)")
+    clip_eps: float = arg(0.2, "PPO clip range epsilon (no effect: one update per batch of rollouts, so the ratio is 1)")
+    clip_eps_high: float | None = arg(None, "upper clip range (default: --clip-eps; no effect, as --clip-eps)")
     beta: float = arg(0.0, "KL penalty weight against the base model (the LoRA adapter switched off); 0 = no KL term")
     tis_cap: float = arg(0.0, "weight each token by min(pi_trainer / pi_sampler, this cap), truncated importance sampling; 0 = off")
     steps: int | None = arg(None, "training steps [GPU 1000, CPU 100]")
@@ -370,15 +370,16 @@ def main(argv: list[str] | None = None) -> int:
 
     transformers_logging.disable_progress_bar()  # "Loading weights" at every start
     args = config.parse_args(Args, argv, __doc__.split("\n")[0])
-    world = distributed.world_from_env()
-    if not world.is_main:  # torchrun: rank 0 speaks for all (the others' warnings stay: a GPU of theirs may differ)
-        log.setLevel(logging.WARNING)
+    world = distributed.World()  # one process, until torchrun's environment is read
     try:
+        world = distributed.world_from_env()
+        if not world.is_main:  # torchrun: rank 0 speaks for all (the others' warnings stay: a GPU of theirs may differ)
+            log.setLevel(logging.WARNING)
         out_dir = train(args, world)
         saved = checkpoint.find(out_dir)
         log.info("done: metrics in %s, checkpoints %s%s", out_dir / "metrics.jsonl", ", ".join(p.name for p in saved[-3:]),
                  f" ({len(saved)} in all)" if len(saved) > 3 else "")
-    except (config.UsageError, data.DataError, SetupError) as err:
+    except (config.UsageError, data.DataError, SetupError, distributed.LaunchError) as err:
         progress.say_at_exit(f"error: {err}", world)
         return 2
     except (TrainingError, checkpoint.CheckpointError) as err:
