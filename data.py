@@ -177,8 +177,11 @@ def hub_unreachable(timeout_s: float = 3.0) -> str | None:
     name = host  # what is asked, as the answer names it
     proxy = urllib.request.getproxies().get(endpoint.scheme or "https")  # HTTPS_PROXY and the like: the hub is reached through it
     if proxy and not urllib.request.proxy_bypass(host):
-        via = urlparse(proxy if "://" in proxy else f"http://{proxy}")
-        host, port = via.hostname or host, via.port or {"https": 443}.get(via.scheme, 1080 if via.scheme.startswith("socks") else 80)
+        try:
+            via = urlparse(proxy if "://" in proxy else f"http://{proxy}")
+            host, port = via.hostname or host, via.port or {"https": 443}.get(via.scheme, 1080 if via.scheme.startswith("socks") else 80)
+        except ValueError as err:  # "http://[::1": a traceback at start
+            return f"the proxy {proxy!r} (HTTPS_PROXY or the like) is not a URL: {err}"
         name = f"{host} (the proxy)"
     answer = []
 

@@ -136,6 +136,10 @@ def test_hub_unreachable_answers_within_its_limit_though_the_dns_lookup_hangs(mo
     monkeypatch.setattr(socket, "create_connection", refused)
     monkeypatch.delenv("NO_PROXY")
     assert data.hub_unreachable(timeout_s=10) == "proxy.example (the proxy) unreachable: [Errno 111] Connection refused"
+    monkeypatch.setenv("HTTPS_PROXY", "http://[::1")  # a traceback at start
+    assert data.hub_unreachable(timeout_s=10) == "the proxy 'http://[::1' (HTTPS_PROXY or the like) is not a URL: Invalid IPv6 URL"
+    monkeypatch.setenv("HTTPS_PROXY", "http://proxy.example:99999")  # a port urlparse refuses
+    assert data.hub_unreachable(timeout_s=10).startswith("the proxy 'http://proxy.example:99999' (HTTPS_PROXY or the like) is not a URL")
     monkeypatch.setenv("HTTPS_PROXY", "socks5h://proxy.example")  # SOCKS' port, not HTTP's
     monkeypatch.setattr(socket, "create_connection", lambda address, timeout: asked.append(address) or socket.socket())
     assert data.hub_unreachable(timeout_s=10) is None and asked.pop() == ("proxy.example", 1080)
