@@ -34,6 +34,7 @@ import torch
 
 import config
 import distributed
+import model as models
 
 log = logging.getLogger("pods")
 
@@ -336,7 +337,7 @@ def check_resume_config(out_dir: Path, args, world_size: int = 1, resumed_from: 
         now = " ".join(config.flag_text(k, getattr(args, k)) for k in switched)
         warnings.append(f"--resume: {out_dir} trained with {was} and continues with {now} (this device's defaults or your flags): "
                         f"the steps from here compute in another precision; pass {was} to keep the run's own")
-    retuned = [change(k) for k in differing(RETUNABLE)]
+    retuned = [change(k) for k in differing(RETUNABLE) if k not in ("clip_eps", "clip_eps_high")]  # no effect: refused (config.py)
     if retuned:  # allowed (e.g. a lower --lr after non-finite updates), but not silently: a flag left out takes the default
         warnings.append(f"--resume: {out_dir} continues with other settings ({', '.join(retuned)}); pass the run's own to keep "
                         f"them (config.json keeps the old ones under changed_on_resume)")
@@ -419,7 +420,7 @@ def check_resumed_model(out_dir: Path, trained: str, model_name: str) -> None:
 
 def model_moved(trained: str, model_name: str) -> bool:
     """Whether the run's model was a local directory that no longer exists, and this command names a local directory."""
-    return trained.startswith(("/", ".", "~")) and not os.path.exists(trained) and os.path.isdir(model_name)
+    return models.missing_path(trained) and os.path.isdir(model_name)  # ("runs/models/qwen" too: a path, as train.py reads --model)
 
 
 def take_optimizer_settings(optimizer, scheduler, args) -> None:

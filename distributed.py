@@ -60,7 +60,7 @@ def world_from_env() -> World:
     so that bad settings are reported before the ranks meet)."""
     if "RANK" not in os.environ:
         return World()
-    missing = [name for name in ("WORLD_SIZE",) if name not in os.environ]  # (MASTER_ADDR: checked as the ranks meet, start)
+    missing = [name for name in ("WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT") if name not in os.environ]  # torchrun sets all
     try:
         if not missing:
             return World(int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"]), int(os.environ.get("LOCAL_RANK", 0)), True)

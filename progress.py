@@ -215,7 +215,7 @@ def restore_handlers(previous: dict) -> None:
         signal.signal(sig, signal.SIG_DFL if handler is None else handler)
 
 
-SAME_STOP_S = 1.0  # a SIGTERM this soon after a SIGTERM is the same stop, delivered twice
+SAME_STOP_S = 1.0  # a SIGTERM (SIGHUP) this soon after a SIGTERM (SIGHUP) is the same stop, delivered twice
 
 
 def ctrl_c_handler(stop: dict):
@@ -231,7 +231,7 @@ def ctrl_c_handler(stop: dict):
     def on_signal(signum, frame):
         now = time.monotonic()
         if stop["requested"]:
-            if signum == signal.SIGTERM == stop.get("signal") and now - stop["at"] < SAME_STOP_S:
+            if signum == stop.get("signal") != signal.SIGINT and now - stop["at"] < SAME_STOP_S:  # SIGTERM, SIGHUP
                 return
             raise KeyboardInterrupt
         stop.update(requested=True, signal=signum, at=now)

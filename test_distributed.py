@@ -69,7 +69,7 @@ def test_torchrun_with_more_processes_than_gpus_is_refused_in_one_line(tiny_mode
     run directory is made. The GPU is faked here (rank 0's view); on a real one see the cuda test below."""
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)
-    for name, value in dict(RANK="0", WORLD_SIZE="2", LOCAL_RANK="0", LOCAL_WORLD_SIZE="2").items():
+    for name, value in dict(RANK="0", WORLD_SIZE="2", LOCAL_RANK="0", LOCAL_WORLD_SIZE="2", MASTER_ADDR="127.0.0.1", MASTER_PORT="29500").items():
         monkeypatch.setenv(name, value)
     out = tmp_path / "run"
     assert train.main(tiny_args(tiny_model_dir, out, "--steps", "1", "--prompts-per-step", "2")) == 2
@@ -81,7 +81,7 @@ def test_torchrun_with_more_processes_than_gpus_is_refused_in_one_line(tiny_mode
 def test_torchrun_on_several_nodes_with_restarts_in_the_shared_store_is_refused_in_one_line(tiny_model_dir, tmp_path, monkeypatch, capsys):
     """Each node's torchrun agent counts restarts for itself, so in the one store the agents share the ranks of a
     restart cannot tell the attempts apart (the next test): refused before the run directory is made."""
-    for name, value in dict(RANK="0", WORLD_SIZE="2", LOCAL_RANK="0", LOCAL_WORLD_SIZE="1", GROUP_WORLD_SIZE="2",
+    for name, value in dict(RANK="0", WORLD_SIZE="2", LOCAL_RANK="0", LOCAL_WORLD_SIZE="1", GROUP_WORLD_SIZE="2", MASTER_ADDR="127.0.0.1", MASTER_PORT="29500",
                             TORCHELASTIC_MAX_RESTARTS="3", TORCHELASTIC_USE_AGENT_STORE="True").items():
         monkeypatch.setenv(name, value)
     out = tmp_path / "run"
@@ -257,7 +257,7 @@ def test_a_stop_or_failure_at_one_rank_or_at_all_is_saved_and_said_under_torchru
 
 def test_prompts_per_step_that_do_not_divide_among_the_processes_exit_2_with_one_line(tmp_path, capsys, monkeypatch):
     """Checked before the ranks meet, so each exits at once (torchrun then reports the failed ranks)."""
-    for name, value in {"RANK": "0", "LOCAL_RANK": "0", "WORLD_SIZE": "2"}.items():
+    for name, value in {"RANK": "0", "LOCAL_RANK": "0", "WORLD_SIZE": "2", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": "29500"}.items():
         monkeypatch.setenv(name, value)
     assert train.main(["--prompts-per-step", "3", "--dataset", "arith", "--out-dir", str(tmp_path / "run")]) == 2
     err = capsys.readouterr().err.strip()

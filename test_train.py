@@ -772,13 +772,18 @@ def test_rank_without_the_rest_of_torchruns_environment_exits_2_with_one_line(tm
     for main in (train.main, benchmark.main):
         assert main(["--dataset", "arith", "--out-dir", str(tmp_path / "run")]) == 2
         err = capsys.readouterr().err
-        assert err.startswith("error: RANK is set in the environment but WORLD_SIZE is not set") and err.count("\n") == 1
+        assert err.startswith("error: RANK is set in the environment but WORLD_SIZE, MASTER_ADDR, MASTER_PORT are not set") and err.count("\n") == 1
     assert not (tmp_path / "run").exists()
     monkeypatch.setenv("WORLD_SIZE", "1")  # a job's environment with one process: env:// rendezvous' traceback (MASTER_ADDR)
     monkeypatch.setattr(train, "load_trainable_policy", None)  # not reached
-    assert train.main(["--dataset", "arith", "--out-dir", str(tmp_path / "run")]) == 2
-    err = capsys.readouterr().err
-    assert err.startswith("error: RANK is set in the environment but environment variable MASTER_ADDR expected") and err.count("\n") == 1
+    for rank, world_size in (("0", "1"), ("1", "2")):  # rank 1: no rank 0 exists to say it (it exited 2 in silence)
+        monkeypatch.setenv("RANK", rank)
+        monkeypatch.setenv("WORLD_SIZE", world_size)
+        for main in (train.main, benchmark.main):
+            assert main(["--dataset", "arith", "--out-dir", str(tmp_path / "run")]) == 2
+            err = capsys.readouterr().err
+            assert err.startswith("error: RANK is set in the environment but MASTER_ADDR, MASTER_PORT are not set") and err.count("\n") == 1
+    assert not (tmp_path / "run").exists()  # (it was made before the ranks met)
 
 
 def test_m_equal_to_n_says_the_run_is_vanilla_grpo(caplog):
@@ -992,7 +997,7 @@ def test_benchmark_runs_for_small_n_and_leaves_out_m_below_2(tiny_model_dir, cap
 def test_benchmark_under_torchrun_exits_2_with_one_line(monkeypatch, capsys):
     import benchmark
 
-    for name, value in {"RANK": "0", "LOCAL_RANK": "0", "WORLD_SIZE": "2"}.items():
+    for name, value in {"RANK": "0", "LOCAL_RANK": "0", "WORLD_SIZE": "2", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": "29500"}.items():
         monkeypatch.setenv(name, value)
     assert benchmark.main(["--n", "4"]) == 2
     assert capsys.readouterr().err == "error: benchmark.py times one process; run it with python, not torchrun\n"
@@ -1367,6 +1372,21 @@ def test_a_sigterm_delivered_twice_at_once_is_one_stop_and_a_later_signal_a_seco
         on_signal(signal.SIGINT, None)
 
 
+def test_a_hangup_delivered_twice_at_once_is_one_stop(monkeypatch):
+    """`timeout 10h python train.py` in a terminal that closes: the run gets the hangup and timeout's forwarded copy
+    within a millisecond; as two, the second quit without saving (measured over a pty: no checkpoint)."""
+    now = [100.0]
+    monkeypatch.setattr(progress.time, "monotonic", lambda: now[0])
+    stop = {"requested": False}
+    on_signal = progress.ctrl_c_handler(stop)
+    on_signal(signal.SIGHUP, None)
+    now[0] += 0.001
+    on_signal(signal.SIGHUP, None)  # the same stop
+    assert stop["requested"]
+    with pytest.raises(KeyboardInterrupt):
+        on_signal(signal.SIGINT, None)  # a Ctrl-C after it still quits
+
+
 def test_ctrl_c_while_the_model_loads_says_how_to_start_again(tiny_model_dir, tmp_path, monkeypatch, capsys, length_rewards):
     """Before the loop (loading a model takes a while), a Ctrl-C is Python's KeyboardInterrupt: exit 130, and the last
     line does not point to a checkpoint that does not exist; what it advises starts the run."""
@@ -1671,3 +1691,23 @@ def test_a_hangup_finishes_the_step_and_saves_unless_nohup_ignores_it(tiny_model
     assert train.main(tiny_args(tiny_model_dir, out, "--steps", "3")) == (0 if ignored else 130)
     assert [p.name for p in checkpoint.find(out)] == ["checkpoint-3" if ignored else "checkpoint-2"]
     assert signal.getsignal(signal.SIGHUP) == (signal.SIG_IGN if ignored else signal.SIG_DFL)
+
+
+def test_resuming_a_run_saved_with_a_clip_eps_now_refused_gives_no_advice_to_pass_it(tmp_path):
+    """A run from before --clip-eps other than 0.2 was refused: its resume without the flag warned "pass the run's own
+    to keep them", and passing --clip-eps 0.3 is refused (it has no effect)."""
+    args = config.resolve(train.Args(), "cpu")
+    (tmp_path / "config.json").write_text(json.dumps(dataclasses.asdict(args) | {"clip_eps": 0.3, "clip_eps_high": 0.28}))
+    assert checkpoint.check_resume_config(tmp_path, args) == []
+    with pytest.raises(config.UsageError, match="has no effect"):
+        config.resolve(train.Args(clip_eps=0.3), "cpu")
+
+
+def test_a_moved_model_given_relative_without_a_leading_dot_is_a_moved_model(tmp_path, monkeypatch):
+    """model.missing_path reads "runs/models/qwen" as a path (more than one "/"); model_moved did not, and told the run
+    to pass the path that is gone."""
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "new" / "qwen").mkdir(parents=True)
+    checkpoint.check_resumed_model(tmp_path / "run", "runs/models/qwen", "new/qwen")  # a warning, not a refusal
+    with pytest.raises(config.UsageError, match="pass --model org/qwen"):
+        checkpoint.check_resumed_model(tmp_path / "run", "org/qwen", "new/qwen")  # a hub name: not a moved directory
