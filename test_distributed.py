@@ -223,9 +223,9 @@ def children_of(parent):
 
 def policy_update(*args, **kwargs):
     calls.append(1)
-    if len(calls) == 2 and event == "scheduler" and rank == "0":  # Slurm's scancel: SIGTERM to torchrun and to every rank
-        for pid in [os.getppid(), *children_of(os.getppid())]:
-            os.kill(pid, signal.SIGTERM)
+    if len(calls) == 2 and event in ("scheduler", "hangup") and rank == "0":  # Slurm's scancel: SIGTERM to torchrun and
+        for pid in [os.getppid(), *children_of(os.getppid())]:  # every rank; a terminal closed: SIGHUP to them all
+            os.kill(pid, signal.SIGTERM if event == "scheduler" else signal.SIGHUP)
     if len(calls) == 2 and event == "sigterm" and rank == "1":  # a kill of one worker
         os.kill(os.getpid(), signal.SIGTERM)
     if len(calls) == 2 and event == "oom" and rank == "1":  # its completions longer than rank 0's
@@ -237,10 +237,10 @@ sys.exit(train.main())
 """
 
 
-@pytest.mark.parametrize("event", ["scheduler", "sigterm", "oom"])
+@pytest.mark.parametrize("event", ["scheduler", "hangup", "sigterm", "oom"])
 def test_a_stop_or_failure_at_one_rank_or_at_all_is_saved_and_said_under_torchrun(event, tiny_model_dir, tmp_path):
     """scheduler: a SIGTERM to every process of the job reached each rank twice (the scheduler's, torchrun's), and the
-    second quit without saving. sigterm: a SIGTERM to rank 1 stopped both ranks, but rank 0 logged "done". oom: rank 1
+    second quit without saving. hangup: the same with SIGHUP (a terminal closed), which killed every rank unsaved. sigterm: a SIGTERM to rank 1 stopped both ranks, but rank 0 logged "done". oom: rank 1
     out of memory was silent; rank 0 said only that its connection closed. Each is found in step 2's update."""
     driver, out = tmp_path / "at_second_update.py", tmp_path / "run"
     driver.write_text(AT_RANKS_SECOND_UPDATE)
