@@ -86,7 +86,7 @@ def test_resume_with_fewer_steps_or_a_spent_time_budget_says_so_and_leaves_the_r
     before = (out / "config.json").read_text()
     with caplog.at_level(logging.INFO, logger="pods"):
         assert train.main(tiny_args(tiny_model_dir, out, "--steps", "1", "--resume", "--temperature", "0.7")) == 0
-        assert re.search(rf"{re.escape(str(out))} is at --steps 1 \(step 2, [\d.]+ min of training\): nothing to train; a larger "
+        assert re.search(rf"{re.escape(str(out))} is past --steps 1 \(step 2, [\d.]+ min of training\): nothing to train; a larger "
                          "one continues it", caplog.text)
         assert train.main(tiny_args(tiny_model_dir, out, "--steps", "5", "--time-budget", "0.0001", "--resume")) == 0
         assert f"{out} is past --time-budget 0.0001 (step 2, " in caplog.text
