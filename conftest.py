@@ -23,7 +23,7 @@ import torch
 import model as models
 import results
 import rewards
-from testkit import length_reward, tiny_llama
+from testkit import length_reward, tiny_llama, tiny_windowed
 
 unexpected_skips: list[str] = []
 
@@ -76,6 +76,12 @@ def embedded_dir() -> Path:
 def tiny_model_dir(tmp_path_factory, embedded_dir) -> Path:
     """A randomly initialised 2-layer Llama with the embedded model's tokenizer: fast plumbing."""
     return tiny_llama(embedded_dir, tmp_path_factory.mktemp("tiny"), hidden_size=64, heads=4, kv_heads=2)
+
+
+@pytest.fixture(scope="session")
+def tiny_windowed_dir(tmp_path_factory, embedded_dir) -> Path:
+    """A randomly initialised 2-layer Gemma 3, its first layer a sliding window of 6 tokens: the prompts are longer."""
+    return tiny_windowed(embedded_dir, tmp_path_factory.mktemp("tiny-windowed"))
 
 
 @pytest.fixture

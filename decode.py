@@ -34,6 +34,18 @@ def kv_cache_name() -> str:
     return "cache" if "cache" in CausalLMOutputWithPast.__dataclass_fields__ else "past_key_values"
 
 
+def windowed_attention(model) -> bool:
+    """Whether a layer of `model` attends through a sliding window (Mistral, Gemma 2 and 3, Starcoder2, Olmo 3,
+    Cohere 2): the KV cache transformers makes for its config then has a layer other than DynamicLayer. Such a
+    layer's window counts columns, not positions, so padding inside a row (prefill's shared prefix) or a packed row
+    (update.shared_prompt_logprobs, whose 4D mask transformers takes as it is, with no window) changes which tokens
+    a token sees: the sampler or the update then computes another distribution than the model's own forward."""
+    from transformers import DynamicCache
+    from transformers.cache_utils import DynamicLayer
+
+    return any(type(layer) is not DynamicLayer for layer in DynamicCache(config=model.config).layers)
+
+
 def reserve_cache(cache, tokens: int) -> bool:
     """Room for `tokens` more positions in every layer of a filled transformers DynamicCache, written in
     place by each decode step. DynamicLayer.update grows keys and values by concatenation, so every

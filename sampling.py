@@ -25,7 +25,7 @@ from dataclasses import dataclass
 import torch
 
 import rewards
-from decode import CudaGraphDecode, EagerDecode, kv_cache_name, release_cache, reserve_cache
+from decode import CudaGraphDecode, EagerDecode, kv_cache_name, release_cache, reserve_cache, windowed_attention
 
 
 @dataclass
@@ -206,7 +206,8 @@ def prefill(model, prompts: list[list[int]], pad: int, share_prefix: bool = Fals
     if not all(prompts):  # nothing to predict the first token from (and the shared prefix came out as -1 tokens)
         raise ValueError("every prompt needs at least one token; build prompts with build_prompt")
     device = next(model.parameters()).device
-    shared = min(len(os.path.commonprefix(prompts)), min(map(len, prompts)) - 1) if share_prefix and len(prompts) > 1 else 0
+    share_prefix = share_prefix and len(prompts) > 1 and not windowed_attention(model)  # (its padding would sit inside a window)
+    shared = min(len(os.path.commonprefix(prompts)), min(map(len, prompts)) - 1) if share_prefix else 0
     past = {}
     if shared:  # one row, then copied to all: the cache of the same tokens at the same positions
         out = model(input_ids=torch.tensor([prompts[0][:shared]], device=device), use_cache=True,

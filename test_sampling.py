@@ -42,6 +42,21 @@ def test_shared_prefill_generates_the_same_tokens_as_prefilling_each_rollout(tin
     assert len({tuple(c) for group in generated[1] for c in group}) > 3  # sampled, not one repeated answer
 
 
+def test_a_sliding_window_model_samples_with_a_shared_prefix_what_its_own_forward_gives(tiny_windowed_dir):
+    """A sliding window counts cache columns: a prompt padded after the shared prefix would see fewer of its own tokens
+    (Mistral, Gemma 2/3: a gap of ~1 nat). Such a model prefills each row whole: its log-probs are the model's own."""
+    model, tokenizer = lora_policy(tiny_windowed_dir)
+    prompts = [list(range(20, 40)) + rest for rest in ([5, 6, 7, 8, 9, 10, 11, 12], [13])]
+    sampler = sampling.HFSampler(model, tokenizer, max_new_tokens=6, temperature=0.9, merged=True, merged_dtype=torch.float32)
+    torch.manual_seed(0)
+    rollouts = [r for group in sampler.generate(prompts, 2) for r in group]
+    for r in rollouts:
+        with torch.no_grad():
+            logits = model(input_ids=torch.tensor([r.prompt_ids + r.completion_ids])).logits[0, len(r.prompt_ids) - 1 : -1] / 0.9
+        own = torch.log_softmax(logits, -1).gather(1, torch.tensor(r.completion_ids)[:, None])[:, 0]
+        assert torch.allclose(torch.tensor(r.logprobs), own, atol=1e-4)
+
+
 @pytest.mark.parametrize("rests, shared_forwards", [
     ([[5, 6, 7, 8, 9], [12], [15, 16, 17], [5, 6, 7]], [(1, 20), (4, 5)]),  # one prompt is another's beginning
     ([[5], [5, 6]], [(1, 20), (2, 2)]),  # the first is all prefix: one token of it is left for its logits

@@ -63,6 +63,18 @@ def test_shared_prompt_logprobs_equal_the_unshared_ones(tiny_model_dir, checkpoi
     assert ((shared - unshared).abs() * mask).max().item() <= 1e-5
 
 
+def test_shared_prompt_logprobs_of_a_sliding_window_model_equal_the_unshared_ones(tiny_windowed_dir):
+    """A packed row's 4D mask has no sliding window (transformers takes it as it is): such a model is scored row by row."""
+    model, tokenizer = lora_policy(tiny_windowed_dir)
+    prompt = list(range(20, 40))
+    rollouts = [sampling.Rollout(prompt, list(range(50 + k, 60 + 2 * k)), "", True) for k in range(3)]
+    with torch.no_grad():
+        shared, shared_mask = update.shared_prompt_logprobs(model, rollouts, 0.7, tokenizer.pad_token_id)
+        unshared, mask = update.completion_logprobs(model, rollouts, 0.7, tokenizer.pad_token_id)
+    assert torch.equal(shared_mask, mask)
+    assert torch.allclose(shared * mask, unshared * mask, atol=1e-5)
+
+
 def test_shared_prompt_logprobs_under_eager_attention_equal_the_unshared_ones_and_other_kinds_are_refused(tiny_model_dir):
     """Eager attention adds the mask to its scores (a float mask: 0 or the dtype's minimum), sdpa takes the boolean one;
     any other kind (flash attention takes no mask of this shape) stops with what to pass."""

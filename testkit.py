@@ -88,6 +88,22 @@ def tiny_llama(tokenizer_dir: Path, path: Path, hidden_size: int, heads: int, kv
     return path
 
 
+def tiny_windowed(tokenizer_dir: Path, path: Path, window: int = 6) -> Path:
+    """A randomly initialised 2-layer Gemma 3 at `path` whose first layer attends through a sliding window of `window`
+    tokens, the second to everything (as Gemma 2 and 3 alternate them), with the tokenizer of `tokenizer_dir`."""
+    from transformers import AutoTokenizer, Gemma3TextConfig, Gemma3ForCausalLM
+
+    tokenizer = AutoTokenizer.from_pretrained(tokenizer_dir)
+    torch.manual_seed(0)
+    config = Gemma3TextConfig(vocab_size=len(tokenizer), hidden_size=64, intermediate_size=128, num_hidden_layers=2, head_dim=16,
+                              num_attention_heads=4, num_key_value_heads=2, sliding_window=window, max_position_embeddings=1024,
+                              layer_types=["sliding_attention", "full_attention"], initializer_range=0.2,
+                              bos_token_id=1, eos_token_id=2, pad_token_id=2)
+    Gemma3ForCausalLM(config).save_pretrained(path)
+    tokenizer.save_pretrained(path)
+    return path
+
+
 TORCHRUN_LOGS = tempfile.mkdtemp(prefix="pods-test-torchrun-")  # torchrun leaves a /tmp/torchelastic_* per launch otherwise
 atexit.register(shutil.rmtree, TORCHRUN_LOGS, True)
 

@@ -23,6 +23,7 @@ import torch
 
 import distributed
 import grpo
+from decode import windowed_attention
 from model import SetupError
 from sampling import Rollout, last_positions
 
@@ -93,6 +94,8 @@ def shared_prompt_logprobs(model, rollouts: list[Rollout], temperature: float, p
     the prompt's keys and values back into that one pass. A row costs P + sum_j C_j tokens instead of
     sum_j (P + C_j). No KV cache is involved, so gradient checkpointing's recomputation is exact too.
     """
+    if windowed_attention(distributed.unwrap(model)):  # the packed row's 4D mask has no sliding window: not exact there
+        return completion_logprobs(model, rollouts, temperature, pad_id)
     device = next(model.parameters()).device
     rows = prompt_groups(rollouts)  # indices into rollouts, one list per packed row
     P = max(len(r.prompt_ids) for r in rollouts)  # prompts left-padded to end at column P
