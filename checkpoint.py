@@ -362,14 +362,13 @@ def write_config(out_dir: Path, settings: dict, resumed_step: int | None = None)
     it changed, a list under changed_on_resume of {"step": resumed_step, setting: [old, new], ...}, so that the run's
     record keeps the settings its early steps trained with (eval.py and --plot read the latest). A resumed run keeps
     its model's names as it recorded them ("./m" resumed as "/home/me/m", which check_resumed_model found the same, or
-    "auto" as "embedded"): eval.py's results and --plot compare them as written. A model directory that moved
-    (check_resumed_model) is named anew, and its old names go into the history."""
+    "auto" as "embedded"): eval.py's results and --plot compare them as written."""
     path = out_dir / "config.json"
     old = settings_at(json.loads(path.read_text()), resumed_step) if path.exists() and resumed_step is not None else {}
-    moved = ("model", "model_resolved") if model_moved(old.get("model_resolved", ""), settings["model_resolved"]) else ()
-    settings = settings | {k: old[k] for k in ("dataset", "model", "model_resolved") if k in old and k not in moved}
+    kept = ("dataset",) + (() if model_moved(old.get("model_resolved", ""), settings["model_resolved"]) else ("model", "model_resolved"))
+    settings = settings | {k: old[k] for k in kept if k in old}
     history = old.pop("changed_on_resume", [])
-    changed = {k: [old[k], settings[k]] for k in RETUNABLE + moved if k in old and old[k] != settings[k]}
+    changed = {k: [old[k], settings[k]] for k in RETUNABLE if k in old and old[k] != settings[k]}
     if changed:
         history.append({"step": resumed_step, **changed})
     write_atomic(path, json.dumps(settings | ({"changed_on_resume": history} if history else {}), indent=2))
