@@ -381,7 +381,7 @@ def main(argv: list[str] | None = None) -> int:
     if world.launched:  # each rank would time the whole batch on its own, all on one GPU
         progress.say_at_exit("error: benchmark.py times one process; run it with python, not torchrun", world)
         return 2
-    if args.out_dir != train.Args.out_dir and args.resume == "no":  # it writes nothing: the directory would be ignored
+    if os.path.normpath(args.out_dir) != os.path.normpath(train.Args.out_dir) and args.resume == "no":  # it writes nothing
         print(f"error: --out-dir {args.out_dir} is read only with --resume (its last checkpoint's adapter is timed); "
               f"add --resume, or leave --out-dir out", file=sys.stderr)
         return 2

@@ -43,6 +43,8 @@ def windowed_attention(model) -> bool:
     from transformers import DynamicCache
     from transformers.cache_utils import DynamicLayer
 
+    if "local" in (getattr(model.config.get_text_config(decoder=True), "attention_layers", None) or ()):
+        return True  # GPT-Neo: its local layers' window is in a column mask of their own (window_size), not in the cache
     return any(type(layer) is not DynamicLayer for layer in DynamicCache(config=model.config).layers)
 
 

@@ -152,3 +152,21 @@ def test_the_reserved_cache_is_freed_when_generate_returns_without_the_cycle_col
         assert len(rooms) == 1 and rooms[0]() is None
     finally:
         gc.enable()
+
+
+def test_windowed_attention_finds_gpt_neos_local_layers():
+    """GPT-Neo's local layers mask all but the last window_size columns (their cache is a plain DynamicLayer): a shared
+    prefix padded inside a row, or the update's packed row, changed what a token saw (gaps of 4-6 nats, 6-token window)."""
+    from transformers import GPTNeoConfig, GPTNeoForCausalLM
+
+    torch.manual_seed(0)
+    model = GPTNeoForCausalLM(GPTNeoConfig(vocab_size=64, hidden_size=32, num_layers=2, num_heads=2, window_size=6,
+                                           attention_types=[[["local", "global"], 1]], max_position_embeddings=64)).eval()
+    assert decode.windowed_attention(model)
+    prompts = [list(range(20, 40)) + rest for rest in ([5, 6, 7, 8, 9, 10, 11, 12], [13])]
+    with torch.no_grad():
+        _, logits, _ = sampling.prefill(model, prompts, 0, share_prefix=True)
+        own = torch.stack([model(input_ids=torch.tensor([p])).logits[0, -1] for p in prompts])
+    assert torch.allclose(logits, own, atol=1e-5)
+    model.config.attention_layers = ["global", "global"]
+    assert not decode.windowed_attention(model)

@@ -1044,13 +1044,16 @@ def test_benchmark_refuses_train_flags_it_would_ignore_in_one_line(flag, capsys)
     assert "(benchmark.py writes nothing)" in " ".join(shown.split())  # --out-dir: only read, with --resume
 
 
-def test_benchmark_refuses_an_out_dir_without_resume_in_one_line(tmp_path, capsys):
+def test_benchmark_refuses_an_out_dir_without_resume_in_one_line(tmp_path, capsys, monkeypatch):
     """`benchmark.py --out-dir RUN` without --resume timed a fresh adapter and ignored RUN without a word."""
     import benchmark
 
     assert benchmark.main(["--dataset", "arith", "--out-dir", str(tmp_path)]) == 2
     err = capsys.readouterr().err
     assert err == f"error: --out-dir {tmp_path} is read only with --resume (its last checkpoint's adapter is timed); add --resume, or leave --out-dir out\n"
+    monkeypatch.setattr(benchmark, "benchmark", lambda args: None)  # the default, written otherwise, is the default
+    for default in ("runs/pods/", "./runs/pods"):
+        assert benchmark.main(["--dataset", "arith", "--out-dir", default]) == 0
 
 
 @pytest.mark.parametrize("share", [False, True], ids=["per-row", "shared"])
