@@ -318,8 +318,7 @@ def check_resume_config(out_dir: Path, args, world_size: int = 1, resumed_from: 
 
     def same_value(name: str) -> bool:  # a path flag naming the same file ("./d.jsonl" and "/home/me/d.jsonl") is the same
         old, new = saved_value(name), getattr(args, name)
-        return old == new or (name in config.PATH_FLAGS and isinstance(old, str) and isinstance(new, str)
-                              and os.path.exists(old) and os.path.exists(new) and os.path.samefile(old, new))
+        return old == new or (name in config.PATH_FLAGS and isinstance(old, str) and isinstance(new, str) and same_path(old, new))
 
     def saved_value(name: str):  # a path as the command line now reads it: "~/d.jsonl" was saved unexpanded before 29 Nov 2026
         return os.path.expanduser(saved[name]) if name in config.PATH_FLAGS and isinstance(saved[name], str) else saved[name]
@@ -414,8 +413,13 @@ def check_resumed_model(out_dir: Path, trained: str, model_name: str) -> None:
         log.warning("--resume: %s trained %s, which is not here any more; continuing with %s as that model (config.json will "
                     "name it)", out_dir, trained, model_name)
         return
-    if trained != model_name and not (os.path.exists(trained) and os.path.exists(model_name) and os.path.samefile(trained, model_name)):
+    if not same_path(trained, model_name):
         raise config.UsageError(f"--resume: {out_dir} trained {trained}, but this command loads {model_name}; pass --model {trained}")
+
+
+def same_path(a: str, b: str) -> bool:
+    """Whether two names are one: equal, or two paths to the same file or directory ("./m" and "/home/me/m")."""
+    return a == b or (os.path.exists(a) and os.path.exists(b) and os.path.samefile(a, b))
 
 
 def model_moved(trained: str, model_name: str) -> bool:

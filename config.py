@@ -195,12 +195,11 @@ def check_optimizer_flags(args) -> None:
         raise UsageError(f"--max-grad-norm {args.max_grad_norm} must be > 0: the gradient is scaled down to this norm")
     if not 0 <= args.warmup_ratio <= 1:
         raise UsageError(f"--warmup-ratio {args.warmup_ratio} must be in [0, 1]: a share of --steps")
+    defaults = {f.name: f.default for f in dataclasses.fields(args)}
     for name in ("clip_eps", "clip_eps_high"):
         if getattr(args, name) is not None and getattr(args, name) < 0:
             raise UsageError(f"--{name.replace('_', '-')} {getattr(args, name)} must be >= 0: the ratio is clipped to [1 - eps, 1 + eps_high]")
-    defaults = {f.name: f.default for f in dataclasses.fields(args)}
-    for name in ("clip_eps", "clip_eps_high"):  # one update per batch: the old log-probs are the new, rho = 1
-        if getattr(args, name) != defaults[name]:
+        if getattr(args, name) != defaults[name]:  # one update per batch: the old log-probs are the new, rho = 1
             raise UsageError(f"--{name.replace('_', '-')} {getattr(args, name)} has no effect: each batch of rollouts gets one "
                              f"update, so the ratio is 1 and nothing is clipped (grpo.grpo_loss); leave it out")
 

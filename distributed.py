@@ -61,12 +61,14 @@ def world_from_env() -> World:
     if "RANK" not in os.environ:
         return World()
     missing = [name for name in ("WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT") if name not in os.environ]  # torchrun sets all
-    try:
-        if not missing:
+    if missing:
+        problem = f"{', '.join(missing)} {'is' if len(missing) == 1 else 'are'} not set"
+    else:
+        try:
+            int(os.environ["MASTER_PORT"])  # (env:// rendezvous reads it as the ranks meet)
             return World(int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"]), int(os.environ.get("LOCAL_RANK", 0)), True)
-    except ValueError:
-        pass
-    problem = f"{', '.join(missing)} {'is' if len(missing) == 1 else 'are'} not set" if missing else "RANK, WORLD_SIZE or LOCAL_RANK is not a number"
+        except ValueError:
+            problem = "RANK, WORLD_SIZE, LOCAL_RANK or MASTER_PORT is not a number"
     raise LaunchError(f"RANK is set in the environment but {problem}, as torchrun sets them: launch with torchrun, "
                       f"or unset RANK to run one process")
 
@@ -83,11 +85,7 @@ def start(world: World) -> None:
     (TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1, which config.check_torchrun asks for)."""
     if not world.launched or dist.is_initialized():
         return
-    try:
-        store, _, _ = next(dist.rendezvous("env://"))
-    except ValueError as err:  # "environment variable MASTER_ADDR expected, but not set": RANK left over, not torchrun
-        raise LaunchError(f"RANK is set in the environment but {str(err).split(': ')[-1]}: launch with torchrun, "
-                          f"or unset RANK to run one process") from None
+    store, _, _ = next(dist.rendezvous("env://"))  # (world_from_env checked the variables it reads)
     if os.environ.get("GROUP_WORLD_SIZE", "1") == "1":  # one node: one agent, whose restart count every rank shares
         store = dist.PrefixStore(f"pods-attempt-{os.environ.get('TORCHELASTIC_RESTART_COUNT', '0')}", store)
     if torch.cuda.is_available():

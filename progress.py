@@ -80,7 +80,10 @@ def say_resumed(args, state: dict, out_dir: Path, changes: list[str]) -> None:
     """After a checkpoint is loaded: that the run is at its --steps or past its --time-budget, or else the settings it
     trains on with that differ from the run's (checkpoint.check_resume_config's warnings)."""
     if nothing_left(args, state):
-        reached = f"past --time-budget {args.time_budget:g}" if budget_spent(args, state) else f"{'at' if state['step'] == args.steps else 'past'} --steps {args.steps}"
+        if budget_spent(args, state):
+            reached = f"past --time-budget {args.time_budget:g}"
+        else:
+            reached = f"{'at' if state['step'] == args.steps else 'past'} --steps {args.steps}"
         log.info("%s is %s (step %d, %.1f min of training): nothing to train; a larger one continues it", out_dir, reached,
                  state["step"], state["elapsed_s"] / 60)
         return

@@ -783,6 +783,10 @@ def test_rank_without_the_rest_of_torchruns_environment_exits_2_with_one_line(tm
             assert main(["--dataset", "arith", "--out-dir", str(tmp_path / "run")]) == 2
             err = capsys.readouterr().err
             assert err.startswith("error: RANK is set in the environment but MASTER_ADDR, MASTER_PORT are not set") and err.count("\n") == 1
+    monkeypatch.setenv("MASTER_ADDR", "127.0.0.1")
+    monkeypatch.setenv("MASTER_PORT", "x")  # env:// rendezvous' ValueError as the ranks met
+    assert train.main(["--dataset", "arith", "--out-dir", str(tmp_path / "run")]) == 2
+    assert capsys.readouterr().err.startswith("error: RANK is set in the environment but RANK, WORLD_SIZE, LOCAL_RANK or MASTER_PORT is not a number")
     assert not (tmp_path / "run").exists()  # (it was made before the ranks met)
 
 
@@ -1361,42 +1365,30 @@ def test_a_second_ctrl_c_quits_without_saving(tiny_model_dir, tmp_path, monkeypa
     assert train.main(tiny_args(tiny_model_dir, out, "--steps", "1", "--resume", "auto")) == 0  # as the line says
 
 
-def test_a_sigterm_delivered_twice_at_once_is_one_stop_and_a_later_signal_a_second(monkeypatch):
+@pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGHUP], ids=["SIGTERM", "SIGHUP"])
+def test_a_stop_signal_delivered_twice_at_once_is_one_stop_and_a_later_signal_a_second(sig, monkeypatch):
     """A scheduler signals every process of a job, so under torchrun a rank gets its SIGTERM and torchrun's: as two,
-    the step's checkpoint was lost. Two SIGINTs (torchrun's second Ctrl-C is SIGINT then SIGTERM) still quit."""
+    the step's checkpoint was lost. `timeout 10h python train.py` in a terminal that closes gets the hangup and
+    timeout's forwarded copy within a millisecond: as two, the second quit without saving (measured over a pty: no
+    checkpoint). A Ctrl-C after either still quits; two SIGINTs (torchrun's second Ctrl-C is SIGINT then SIGTERM) quit."""
     now = [100.0]
     monkeypatch.setattr(progress.time, "monotonic", lambda: now[0])
     stop = {"requested": False}
     on_signal = progress.ctrl_c_handler(stop)
-    on_signal(signal.SIGTERM, None)
+    on_signal(sig, None)
     now[0] += 0.5
-    on_signal(signal.SIGTERM, None)  # the same stop
+    on_signal(sig, None)  # the same stop
     assert stop["requested"]
     with pytest.raises(KeyboardInterrupt):
         on_signal(signal.SIGINT, None)
     now[0] += progress.SAME_STOP_S
     with pytest.raises(KeyboardInterrupt):
-        on_signal(signal.SIGTERM, None)  # a second stop, asked a second later
+        on_signal(sig, None)  # a second stop, asked a second later
     stop = {"requested": False}
     on_signal = progress.ctrl_c_handler(stop)
     on_signal(signal.SIGINT, None)
     with pytest.raises(KeyboardInterrupt):
         on_signal(signal.SIGINT, None)
-
-
-def test_a_hangup_delivered_twice_at_once_is_one_stop(monkeypatch):
-    """`timeout 10h python train.py` in a terminal that closes: the run gets the hangup and timeout's forwarded copy
-    within a millisecond; as two, the second quit without saving (measured over a pty: no checkpoint)."""
-    now = [100.0]
-    monkeypatch.setattr(progress.time, "monotonic", lambda: now[0])
-    stop = {"requested": False}
-    on_signal = progress.ctrl_c_handler(stop)
-    on_signal(signal.SIGHUP, None)
-    now[0] += 0.001
-    on_signal(signal.SIGHUP, None)  # the same stop
-    assert stop["requested"]
-    with pytest.raises(KeyboardInterrupt):
-        on_signal(signal.SIGINT, None)  # a Ctrl-C after it still quits
 
 
 def test_ctrl_c_while_the_model_loads_says_how_to_start_again(tiny_model_dir, tmp_path, monkeypatch, capsys, length_rewards):
