@@ -125,8 +125,8 @@ class CudaGraphDecode:
     has the figures). A graph replays all of them at once; in exchange every tensor it touches
     must keep its address and shape from one step to the next. So the step reads its inputs from fixed tensors
     (`token`, `position`, `column`), each layer writes its new key and value at `column` of the buffers that
-    reserve_cache made (`write_at_column`), and attention (`decode_attention`) runs over every reserved position with
-    a 4D mask that hides those not yet written (transformers takes a 4D mask as it is). Sampling stays outside the graph, so the
+    reserve_cache made (`write_at_column`), and attention (`decode_attention`; a model that attends eagerly keeps its own)
+    runs over every reserved position with a 4D mask that hides those not yet written (transformers takes a 4D mask as it is). Sampling stays outside the graph, so the
     tokens still come from torch's generator and a resumed run replays them. `capture=False` runs the same
     static step eagerly (how a CPU test checks it), as does a model whose forward cannot be captured."""
 
@@ -161,7 +161,9 @@ class CudaGraphDecode:
 
     def forward(self) -> torch.Tensor:
         config = self.model.config  # every attention layer reads its implementation from it at each forward
-        attention, config._attn_implementation = config._attn_implementation, "pods_decode"
+        attention = config._attn_implementation
+        if attention != "eager":  # transformers picks eager for what sdpa cannot do (Gemma 2's soft-capping, gpt-oss's sinks)
+            config._attn_implementation = "pods_decode"
         try:
             return self.model(input_ids=self.token, attention_mask=self.bias, position_ids=self.position,
                               **{kv_cache_name(): self.cache}, use_cache=True).logits[:, -1]
