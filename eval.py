@@ -201,7 +201,9 @@ def evaluate(path: str, settings: Settings, out: str | None, force: bool, backen
     if todo:  # results will be written: a path under a file stops here, not after the evaluation
         plot.make_parent(out_path)
     done = [r for r in stored if not any(r["checkpoint"] == t.name for t in todo)]  # drops stale results of retrained checkpoints
-    cache = results.base_cache_file(base, key)
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    use_vllm = vllm_sampler.uses_vllm(backend, device)
+    cache = results.base_cache_file(base, key, "vllm" if use_vllm else "hf")
     reuse_base = not force and cache.exists() and any(t.adapter is None for t in todo)
     log.info("%d to evaluate, %d already in %s", len(todo), len(targets) - len(todo), out_path)
     if reuse_base:
@@ -211,17 +213,17 @@ def evaluate(path: str, settings: Settings, out: str | None, force: bool, backen
         log.info("base model: result reused from %s (--force re-evaluates it)", cache)
     if not todo:
         return out_path
-    device = "cuda" if torch.cuda.is_available() else "cpu"
     adapters = [t.adapter for t in targets if t.adapter is not None]
-    use_vllm = vllm_sampler.uses_vllm(backend, device)
-    if use_vllm:  # vLLM loads the weights itself: here only the tokenizer (no network: both from the model's cached directory)
-        from transformers import AutoConfig
+    from transformers import AutoConfig
 
-        model_path = models.local_model_path(base)
-        model, tokenizer, model_config = None, models.load_tokenizer(model_path), AutoConfig.from_pretrained(model_path)
+    model_path = models.local_model_path(base)  # (no network: the model's cached directory)
+    model_config = AutoConfig.from_pretrained(model_path)
+    if adapters:  # before any weights load (adapters of one run have one shape)
+        checkpoint.check_adapter_fits(adapters[0], model_config, base)
+    if use_vllm:  # vLLM loads the weights itself: here only the tokenizer
+        model, tokenizer = None, models.load_tokenizer(model_path)
     else:
         model, tokenizer = load_hf_model(base, adapters, device)
-        model_config = model.config
     prompts = [sampling.build_prompt(tokenizer, e.question) for e in examples]
     sequence_len = checked_sequence_len(prompts, settings.max_new_tokens, models.context_length(model_config))
     if use_vllm:
@@ -260,9 +262,12 @@ def evaluate_targets(todo: list[Target], model, sampler, adapters: list[Path], p
         result["model"] = base  # what is_result_of matches on
         results.write_results(out_path, key, [*done, result])  # after every checkpoint: an interrupted eval keeps its work
         done.append(result)  # (only once written: an interrupt names what is saved)
-        if target.adapter is None:
-            cache.parent.mkdir(parents=True, exist_ok=True)
-            checkpoint.write_atomic(cache, json.dumps(result))
+        if target.adapter is None:  # (a cache only: a write the file system refuses costs the next run the base model's time)
+            try:
+                cache.parent.mkdir(parents=True, exist_ok=True)
+                checkpoint.write_atomic(cache, json.dumps(result))
+            except (OSError, checkpoint.CheckpointError) as err:
+                log.warning("the base model's result is not cached (%s): %s", cache, str(err).splitlines()[0])
         spread = "(one repeat: no standard error)" if result["accuracy_se"] is None else f"+- {result['accuracy_se']:.3f}"
         log.info("%s (step %d, %.0f s): accuracy %.3f %s, format %.3f", target.name, target.step, target.elapsed_s,
                  result["accuracy"], spread, result["format_rate"])

@@ -44,11 +44,13 @@ class SetupError(RuntimeError):
 
 
 def pick_model(model: str, device: str) -> str:
-    """--model auto: the paper's model on a GPU, the embedded one elsewhere. A local path that does not exist: SetupError."""
+    """--model auto: the paper's model on a GPU, the embedded one elsewhere; a local directory as its absolute path (what
+    a run records: eval.py, run from another directory, read "m" as whatever "m" was there). A local path that does
+    not exist: SetupError."""
     check_model_path(model)
-    if model != "auto":
-        return model
-    return GPU_MODEL if device == "cuda" else EMBEDDED
+    if model == "auto":
+        return GPU_MODEL if device == "cuda" else EMBEDDED
+    return os.path.abspath(model) if model != EMBEDDED and Path(model).is_dir() else model
 
 
 def embedded_model_dir() -> Path:

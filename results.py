@@ -108,12 +108,13 @@ def generation_code() -> dict:
     return {**{Path(m.__file__).name: source_digest(m) for m in (sampling, decode, vllm_sampler)}, **versions}
 
 
-def base_cache_file(base: str, key: dict) -> Path:
+def base_cache_file(base: str, key: dict, backend: str) -> Path:
     """Where the base model's result for this results_key is kept: every run of one model starts from the same
     weights, so its step-0 point is evaluated once, not once per run, and again after the code that samples
-    changes (so that a run's base point comes from the code its checkpoints do)."""
+    changes or with the other `backend` ("vllm" or "hf"), so that a run's base point comes from the code its
+    checkpoints do."""
     local = os.path.abspath(base) if base != models.EMBEDDED and os.path.isdir(base) else base  # "." in two directories: two models
-    text = json.dumps({"model": local, **key, **generation_code()}, sort_keys=True)
+    text = json.dumps({"model": local, **key, **generation_code(), "backend": backend}, sort_keys=True)
     return BASE_CACHE / f"{hashlib.sha256(text.encode()).hexdigest()[:16]}.json"
 
 

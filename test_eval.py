@@ -26,7 +26,7 @@ import rewards
 import sampling
 import train
 import vllm_sampler
-from testkit import fake_run, interrupt_call, length_reward, read_metrics, tiny_args
+from testkit import fake_run, interrupt_call, length_reward, read_metrics, tiny_args, tiny_llama
 
 
 @pytest.fixture(scope="session")
@@ -113,12 +113,26 @@ def test_eval_does_not_reuse_a_base_result_sampled_or_graded_by_other_code(tmp_p
     examples = data.load_examples("arith", "test")[:4]
     same = tmp_path / f"{source}.py"
     same.write_bytes(Path(module.__file__).read_bytes())
-    before = results.base_cache_file("model", results.results_key(settings.key(), examples))
+    before = results.base_cache_file("model", results.results_key(settings.key(), examples), "hf")
     monkeypatch.setattr(module, "__file__", str(same))
-    assert results.base_cache_file("model", results.results_key(settings.key(), examples)) == before  # the same code: reused
+    assert results.base_cache_file("model", results.results_key(settings.key(), examples), "hf") == before  # the same code: reused
     same.write_bytes(same.read_bytes() + b"\n# a changed sampler or grader\n")
-    assert results.base_cache_file("model", results.results_key(settings.key(), examples)) != before  # evaluated again
+    assert results.base_cache_file("model", results.results_key(settings.key(), examples), "hf") != before  # evaluated again
     assert {"sampling.py", "decode.py", "vllm_sampler.py", "torch", "transformers"} <= results.generation_code().keys()
+    key = results.results_key(settings.key(), examples)  # nor one the other backend sampled (it was reused across them)
+    assert results.base_cache_file("model", key, "vllm") != results.base_cache_file("model", key, "hf")
+
+
+def test_eval_goes_on_when_the_base_models_result_cannot_be_cached(tiny_run, tmp_path, monkeypatch, caplog):
+    """The cache is a saving only: a cache directory under a file stopped the evaluation after the base model, in a
+    traceback, with no checkpoint evaluated."""
+    (tmp_path / "file").write_text("")
+    monkeypatch.setattr(results, "BASE_CACHE", tmp_path / "file" / "eval")
+    out = tmp_path / "eval.json"
+    argv = [str(tiny_run), "--dataset", "arith", "--limit", "2", "--repeats", "1", "--max-new-tokens", "4", "--out", str(out)]
+    assert evaluation.main(argv) == 0
+    assert [r["checkpoint"] for r in json.loads(out.read_text())["results"]] == ["base", "checkpoint-1", "checkpoint-2"]
+    assert "the base model's result is not cached" in caplog.text
 
 
 def test_eval_refuses_a_runs_results_from_another_test_set_or_grader_and_names_a_file_without_its_folder(
@@ -671,6 +685,24 @@ def test_eval_with_vllm_refuses_an_adapter_vllm_cannot_serve_before_its_engine_s
     assert not fake_vllm  # no engine started
 
 
+@pytest.mark.parametrize("backend", ["vllm", "hf"])
+def test_eval_refuses_an_adapter_of_another_model_in_one_line_before_any_weights_load(tiny_run, embedded_dir, tmp_path, request,
+                                                                                   monkeypatch, capsys, backend):
+    """A run whose model directory now holds another model (a run recorded a relative --model as typed, read from
+    eval.py's own directory): transformers stopped in a traceback of 28 size mismatches, and vLLM copied the adapter
+    into its larger slots without a word and evaluated the base model under the checkpoints' names (exit 0)."""
+    fake_vllm = request.getfixturevalue("fake_vllm") if backend == "vllm" else []
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    run, wider = tmp_path / "run", tiny_llama(embedded_dir, tmp_path / "wider", hidden_size=96, heads=4, kv_heads=2)
+    shutil.copytree(tiny_run, run)
+    (run / "config.json").write_text(json.dumps(json.loads((run / "config.json").read_text()) | {"model_resolved": str(wider)}))
+    assert evaluation.main(vllm_argv(run, tmp_path / "eval.json", "--backend", backend)) == 2
+    assert capsys.readouterr().err == (f"error: {run / 'checkpoint-1'} is not an adapter of {wider}: its "
+                                       f"base_model.model.model.layers.0.mlp.down_proj.lora_A.weight is [4, 128], [4, 192] in "
+                                       f"{wider} (was the model replaced since the run trained it?)\n")
+    assert not fake_vllm and not (tmp_path / "eval.json").exists()  # no engine started, nothing evaluated
+
+
 def test_an_adapters_rank_for_vllm_is_its_largest_and_what_vllm_refuses_is_named():
     adapter_config = {"r": 8, "rank_pattern": {"q_proj": 32}, "bias": "none"}
     assert (vllm_sampler.adapter_rank(adapter_config), vllm_sampler.adapter_problem(adapter_config)) == (32, None)
@@ -919,10 +951,10 @@ def test_the_base_models_cached_result_is_one_per_directory(tmp_path, monkeypatc
     for name in ("a", "b"):
         (tmp_path / name).mkdir()
         monkeypatch.chdir(tmp_path / name)
-        files.append(results.base_cache_file(".", {"dataset": "arith"}))
+        files.append(results.base_cache_file(".", {"dataset": "arith"}, "hf"))
     assert files[0] != files[1]
     (tmp_path / "b" / "embedded").mkdir()  # a directory named like the built-in model, which "embedded" does not load
-    assert results.base_cache_file("embedded", {}) != results.base_cache_file("./embedded", {})
+    assert results.base_cache_file("embedded", {}, "hf") != results.base_cache_file("./embedded", {}, "hf")
 
 
 def test_eval_of_dot_inside_a_checkpoint_takes_the_runs_settings_and_name(tiny_run, tmp_path, monkeypatch):

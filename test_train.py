@@ -111,6 +111,11 @@ def test_resume_compares_the_model_as_resolved(tiny_model_dir, tmp_path, monkeyp
     monkeypatch.chdir(tiny_model_dir.parent)
     assert train.main(tiny_args(Path(".") / tiny_model_dir.name, out, "--steps", "2", "--resume")) == 0
     assert json.loads((out / "config.json").read_text())["model_resolved"] == str(tiny_model_dir)  # as the run wrote it
+    relative = tmp_path / "relative"  # a run begun with a relative --model records where it is (eval.py read it from its own cwd)
+    assert train.main(tiny_args(tiny_model_dir.name, relative, "--steps", "1")) == 0
+    assert json.loads((relative / "config.json").read_text())["model_resolved"] == os.path.join(os.getcwd(), tiny_model_dir.name)
+    assert json.loads((relative / "checkpoint-1" / "adapter_config.json").read_text())["base_model_name_or_path"] == str(
+        Path.cwd() / tiny_model_dir.name)
     assert models.pick_model("embedded", "cuda") == models.EMBEDDED  # (not the GPU's Qwen2.5-3B, as a version of this had it)
     other = tmp_path / "other"
     shutil.copytree(tiny_model_dir, other)
