@@ -92,6 +92,22 @@ def test_ties_are_broken_by_index_and_smallest_k():
     assert pods.max_variance_downsample([0.0, 0.025, 1.0, 1.025], 3) == [0, 1, 3]
 
 
+def test_ties_are_broken_by_index_in_a_group_of_64():
+    """numpy's default sort is unstable past 16 elements: at the paper's n = 64 ties must still go as documented
+    (max_variance: the lowest indices among equal low rewards, the highest among equal high ones; max_reward: lowest)."""
+    r = [0.0, 1.0] * 32
+    for m in range(1, 33):
+        low, high = m - m // 2, m // 2  # binary rewards: half and half, the smallest k on a tie
+        assert pods.max_variance_downsample(r, m) == list(range(0, 2 * low, 2)) + list(range(65 - 2 * high, 64, 2))
+        assert pods.max_reward_downsample(r, m) == list(range(1, 2 * m, 2))
+
+
+def test_a_subset_better_by_a_relative_1e8_is_not_taken_for_a_tie():
+    """Only variances within rounding (1e-12) count as tied: 1e-8 apart, the larger wins, whichever k it has."""
+    assert pods.max_variance_downsample([0.0, 0.025 + 1e-8, 1.0, 1.025], 3) == [0, 2, 3]  # k = 2 is larger
+    assert pods.max_variance_downsample([0.0, 0.025 - 1e-8, 1.0, 1.025], 3) == [0, 1, 3]  # k = 1 is larger
+
+
 def test_max_reward_keeps_the_highest():
     assert pods.max_reward_downsample([0.1, 0.9, 0.5, 0.7], 2) == [1, 3]
 
@@ -305,6 +321,18 @@ def test_normalize_number_reads_list_markers_only_in_a_completions_text():
     assert rewards.extract_answer("so \\boxed{- 5}") == "- 5" and rewards.extract_answer("<answer> - 3 </answer>") == "- 3"
 
 
+@pytest.mark.parametrize("text, expected", [("-$5", "-5"), ("The loss is -$12.", "-12"), ("2 2/2", "1")])
+def test_normalize_number_edge_cases(text, expected):
+    """A currency sign between the minus and the digits keeps the minus; a mixed number needs a proper fraction
+    ("2 2/2" is not two and one, it reads as its last number)."""
+    assert rewards.normalize_number(text) == expected
+
+
+def test_whitespace_around_the_tags_is_still_well_formatted():
+    """A completion that begins or ends with a newline still earns the format reward."""
+    assert rewards.is_well_formatted("\n<think>a</think>\n<answer>1</answer>\n")
+
+
 def test_extract_answer_prefers_the_last_answer_tag_then_the_last_number():
     assert rewards.extract_answer("<answer>1</answer> then <answer> 2 </answer>") == "2"
     assert rewards.extract_answer("it is 3, no 4") == "4"
@@ -355,6 +383,16 @@ def test_group_advantages_hand_computed():
     s = np.std([1, 0, 0, 1], ddof=1)  # 0.57735
     assert torch.allclose(adv[0], torch.tensor([0.5, -0.5, -0.5, 0.5]) / s)
     assert torch.equal(grpo.group_advantages(torch.tensor([[2.0, 2.0, 2.0]])), torch.zeros(1, 3))
+
+
+def test_group_advantages_of_float64_or_bfloat16_rewards_are_computed_in_float32():
+    """As informative_groups compares: rewards equal in float32 are uniform (advantages exactly 0) whatever their dtype."""
+    r64 = torch.tensor([[1.2, 1.2 + 1e-9, 1.2, 1.2], [0.0, 1.0, 0.2, 1.0]], dtype=torch.float64)
+    adv = grpo.group_advantages(r64)
+    assert adv.dtype == torch.float32 and torch.equal(adv, grpo.group_advantages(r64.float()))
+    assert adv[0].eq(0).all() and pods.informative_groups(r64).tolist() == [False, True]
+    bf16 = torch.tensor([[1.0, 0.0, 0.0, 1.0, 0.2]], dtype=torch.bfloat16)
+    assert torch.equal(grpo.group_advantages(bf16), grpo.group_advantages(bf16.float()))
 
 
 def test_group_advantages_rejects_groups_of_one():
@@ -489,6 +527,24 @@ def test_masked_tokens_contribute_nothing():
     assert loss2.item() == pytest.approx(loss.item())
 
 
+def test_masked_tokens_contribute_nothing_to_the_kl_term():
+    """The KL penalty, like the surrogate, counts completion tokens only."""
+    logprobs = torch.tensor([[-1.0, -200.0]])  # a padded position the policy finds very unlikely: exp(199) overflows
+    ref = torch.tensor([[-1.5, -1.0]])
+    loss, stats = grpo.grpo_loss(logprobs, logprobs, torch.tensor([0.0]), torch.tensor([[1, 0]]), ref_logprobs=ref, beta=0.1)
+    k3 = math.exp(-0.5) + 0.5 - 1
+    assert stats["kl"] == pytest.approx(k3) and loss.item() == pytest.approx(0.1 * k3)
+
+
+def test_token_weights_scale_the_surrogate_not_the_kl_penalty():
+    """As TRL: the importance weight multiplies the clipped surrogate; beta * KL is added after, unweighted."""
+    logprobs, ref = torch.tensor([[-1.0, -2.0]]), torch.tensor([[-1.5, -2.0]])
+    loss, _ = grpo.grpo_loss(logprobs, logprobs, torch.tensor([1.0]), torch.ones(1, 2), ref_logprobs=ref, beta=0.1,
+                             token_weights=torch.tensor([[2.0, 0.5]]))
+    k3 = math.exp(-0.5) + 0.5 - 1
+    assert loss.item() == pytest.approx((-(2.0 + 0.5) + 0.1 * k3) / 2)
+
+
 @pytest.mark.parametrize(
     "log_ratio, advantage, has_gradient",
     [
@@ -513,6 +569,21 @@ def test_asymmetric_clip_high():
     loss, _ = grpo.grpo_loss(logprobs, old, torch.tensor([1.0]), torch.ones(1, 1), clip_eps=0.2, clip_eps_high=0.28)
     loss.backward()
     assert logprobs.grad.item() != 0  # ratio 1.25 < 1.28: not clipped
+
+
+def test_asymmetric_clipping_keeps_clip_eps_on_the_low_side_and_counts_clips_per_side():
+    """DAPO's clip-higher: clip_eps_high widens the upper side only, and clip_frac counts a token clipped on either."""
+
+    def one_token(ratio, advantage):
+        logprobs = torch.tensor([[-1.0]], requires_grad=True)
+        old = torch.tensor([[-1.0 - math.log(ratio)]])
+        loss, stats = grpo.grpo_loss(logprobs, old, torch.tensor([advantage]), torch.ones(1, 1), clip_eps=0.2, clip_eps_high=0.28)
+        loss.backward()
+        return logprobs.grad.item() != 0, stats["clip_frac"]
+
+    assert one_token(0.75, -1.0) == (False, 1.0)  # below 1 - 0.2 with A < 0: clipped (not at 1 - 0.28)
+    assert one_token(1.25, 1.0) == (True, 0.0)  # below 1 + 0.28: neither clipped nor counted as clipped
+    assert one_token(1.3, 1.0) == (False, 1.0)
 
 
 @pytest.mark.parametrize("advantage, direction", [(1.0, 1), (-1.0, -1)])

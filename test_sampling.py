@@ -5,6 +5,7 @@ from __future__ import annotations
 import math
 import re
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -147,3 +148,25 @@ def test_merged_copy_holds_the_current_adapter_after_update_weights_and_the_base
 def test_cut_at_stop_keeps_the_eos_and_drops_what_follows():
     assert sampling.cut_at_stop([5, 6, 2, 9, 2], {2}) == ([5, 6, 2], False)
     assert sampling.cut_at_stop([5, 6, 7], {2}) == ([5, 6, 7], True)
+
+
+def test_rollouts_end_at_a_stop_token_or_at_max_new_tokens_with_one_logprob_per_token(tiny_model_dir):
+    """Rows stop at different steps (a tiny random model never draws its EOS: here an eighth of the vocabulary
+    stops): each rollout ends at its first stop token, or is truncated at max_new_tokens, one log-prob a token."""
+    model, tokenizer = lora_policy(tiny_model_dir)
+    sampler = sampling.HFSampler(model, tokenizer, max_new_tokens=6, temperature=0.9)
+    sampler.stops = set(range(0, len(tokenizer), 8))  # an eighth of the vocabulary stops: rows end at different steps
+    torch.manual_seed(0)
+    rollouts = [r for group in sampler.generate([[5, 6, 7, 8], [9, 10]], 4) for r in group]
+    for r in rollouts:
+        assert len(r.logprobs) == len(r.completion_ids) and sum(t in sampler.stops for t in r.completion_ids) == (not r.truncated)
+        assert r.completion_ids[-1] in sampler.stops if not r.truncated else len(r.completion_ids) == 6
+    assert {r.truncated for r in rollouts} == {True, False}
+
+
+def test_stop_tokens_are_the_tokenizers_eos_and_every_eos_of_the_generation_config():
+    """Models with several end tokens (Llama 3's eot_id, Qwen's <|im_end|> and <|endoftext|>) stop at each."""
+    tokenizer = SimpleNamespace(eos_token_id=2)
+    assert sampling.stop_token_ids(tokenizer, SimpleNamespace(eos_token_id=[2, 7, 9])) == {2, 7, 9}  # Llama 3's eot_id, ...
+    assert sampling.stop_token_ids(tokenizer, SimpleNamespace(eos_token_id=5)) == {2, 5}
+    assert sampling.stop_token_ids(tokenizer, None) == {2}

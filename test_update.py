@@ -2,9 +2,13 @@
 
 from __future__ import annotations
 
+import dataclasses
+import math
+
 import pytest
 import torch
 
+import grpo
 import model as models
 import sampling
 import train
@@ -154,6 +158,50 @@ def test_update_statistics_do_not_depend_on_how_the_batch_is_split(tiny_model_di
     for stats in results.values():
         for key in ("loss", "kl", "ratio_mean", "clip_frac"):
             assert stats[key] == pytest.approx(reference[key], abs=1e-6), key
+
+
+def test_the_update_clips_the_gradient_to_max_grad_norm_and_reports_the_norm_before_clipping(tiny_model_dir):
+    """The update's gradient is scaled down to --max-grad-norm (the GPU profile's 0.1 binds at most steps); the row
+    reports the norm before. Nothing else checked that clipping happens at all."""
+    model, tokenizer = lora_policy(tiny_model_dir)
+    advantages = torch.tensor([1.0, -0.5, -0.5, 0.7, -0.7, 0.3, -1.0, 0.2, 0.5])
+    args = update.UpdateSettings(micro_batch=9, max_grad_norm=1e-3, bf16_autocast=False)
+    stats, params = update_at_lr_0(model, mixed_length_groups(), advantages, args, tokenizer.pad_token_id)
+    clipped = torch.cat([p.grad.flatten() for p in params]).norm().item()
+    assert stats["grad_norm"] > 1e-2 and clipped == pytest.approx(1e-3, rel=1e-3)
+
+
+def test_a_non_finite_loss_skips_the_step_even_when_the_gradient_is_finite(tiny_model_dir, monkeypatch):
+    """A step whose loss is not finite changes no weight, even where the gradient happens to be."""
+    model, tokenizer = lora_policy(tiny_model_dir)
+    original = grpo.grpo_loss
+    monkeypatch.setattr(grpo, "grpo_loss", lambda *a, **k: (lambda loss, stats: (loss + math.inf, stats))(*original(*a, **k)))
+    params = [p for p in model.parameters() if p.requires_grad]
+    before = [p.detach().clone() for p in params]
+    optimizer = torch.optim.SGD(params, lr=1.0)
+    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: 1.0)
+    stats = update.policy_update(model, optimizer, scheduler, mixed_length_groups(), torch.linspace(-1, 1, 9),
+                                 update.UpdateSettings(micro_batch=9, max_grad_norm=1e9), tokenizer.pad_token_id)
+    assert stats["skipped"] == 1 and math.isfinite(stats["grad_norm"])
+    assert all(torch.equal(a, b) for a, b in zip(before, params))
+
+
+def test_tis_cap_weights_each_token_by_the_truncated_ratio_and_the_gap_counts_completion_tokens_only(tiny_model_dir):
+    """policy_update with --tis-cap: each token's surrogate times min(pi_theta / pi_sampler, cap); the sampler gap is
+    measured on completion tokens only (not on the padding of a shorter completion)."""
+    model, tokenizer = lora_policy(tiny_model_dir)
+    pad = tokenizer.pad_token_id
+    base = [sampling.Rollout([3, 4, 5], [6, 7, 8], "", False), sampling.Rollout([3, 4, 5], [9, 10], "", False)]
+    with torch.no_grad():
+        logprobs, mask = update.completion_logprobs(model, base, 0.9, pad)
+    shift = torch.tensor([[0.5, -0.5, 3.0], [-3.0, 0.2, 0.0]])  # log pi_theta - log pi_sampler
+    rollouts = [dataclasses.replace(r, logprobs=(logprobs[i] - shift[i])[: len(r.completion_ids)].tolist()) for i, r in enumerate(base)]
+    adv = torch.tensor([1.0, -1.0])
+    args = update.UpdateSettings(micro_batch=2, temperature=0.9, tis_cap=2.0, max_grad_norm=1e9, bf16_autocast=False)
+    stats, _ = update_at_lr_0(model, rollouts, adv, args, pad)
+    expected = -((shift.exp().clamp(max=2.0) * adv[:, None] * mask).sum(1) / mask.sum(1)).mean()
+    assert stats["loss"] == pytest.approx(expected.item(), abs=1e-5)
+    assert stats["sampler_gap_max"] == pytest.approx(3.0, abs=1e-5) and stats["sampler_gap_mean"] == pytest.approx(7.2 / 5, abs=1e-5)
 
 
 @pytest.mark.parametrize("share, beta, checkpointing", [(False, 0.0, False), (True, 0.0, False), (True, 0.1, True)])
