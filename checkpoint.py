@@ -27,6 +27,7 @@ import random
 import shutil
 import stat
 import uuid
+import warnings
 from pathlib import Path
 
 import numpy as np
@@ -201,11 +202,13 @@ def check_adapter_fits(path: Path, model_config, model_name: str) -> None:
     from transformers import AutoModelForCausalLM
 
     try:
-        with torch.device("meta"):
+        with torch.device("meta"), warnings.catch_warnings():  # (peft's about tied weights, save_embedding_layers, ...)
+            warnings.simplefilter("ignore")
             base = AutoModelForCausalLM.from_config(model_config)
-        lora = LoraConfig.from_pretrained(str(path))
-        lora.base_model_name_or_path = None  # (the directory it was trained from: peft warns when it differs)
-        expected = {k: tuple(v.shape) for k, v in get_peft_model_state_dict(models.add_lora(base, lora)).items()}
+            lora = LoraConfig.from_pretrained(str(path))
+            lora.base_model_name_or_path = None  # (the directory it was trained from: peft warns when it differs)
+            expected = {k: tuple(v.shape) for k, v in get_peft_model_state_dict(  # (an adapter may hold the embeddings too)
+                models.add_lora(base, lora), save_embedding_layers=True).items()}
     except Exception as err:  # a model transformers cannot build, an adapter config peft cannot read: left to the loader
         log.debug("adapter shapes not checked: %s", err)
         return

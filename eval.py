@@ -28,6 +28,7 @@ here: vLLM loads the weights and each checkpoint's adapter, within --gpu-memory-
 from __future__ import annotations
 
 import contextlib
+import functools
 import json
 import logging
 import math
@@ -204,7 +205,8 @@ def evaluate(path: str, settings: Settings, out: str | None, force: bool, backen
     if todo:  # results will be written: a path under a file stops here, not after the evaluation
         plot.make_parent(out_path)
     if force:  # (repeats an interrupted eval kept)
-        results.partial_file(out_path).unlink(missing_ok=True)
+        with contextlib.suppress(OSError):
+            results.partial_file(out_path).unlink(missing_ok=True)
     done = [r for r in stored if not any(r["checkpoint"] == t.name for t in todo)]  # drops stale results of retrained checkpoints
     device = "cuda" if torch.cuda.is_available() else "cpu"
     use_vllm = vllm_sampler.uses_vllm(backend, device)
@@ -248,8 +250,9 @@ def evaluate(path: str, settings: Settings, out: str | None, force: bool, backen
     except KeyboardInterrupt:  # also a second one, during the engine's shutdown: the line says what is saved
         finished = [r["checkpoint"] for r in done[evaluated_before:]]
         saved = [f"{', '.join(finished)} saved in {out_path}"] if finished else []
-        if begun := results.partial_repeats(results.partial_file(out_path)):
-            saved.append(f"{begun[0]}'s first {begun[1]} repeats saved in {results.partial_file(out_path)}")
+        begun = results.partial_repeats(results.partial_file(out_path))
+        if begun and begun[0] not in finished:  # (else its row was written, and the file not yet removed)
+            saved.append(f"{begun[1]} repeat{'s' * (begun[1] > 1)} of {begun[0]} saved in {results.partial_file(out_path)}")
         if saved:  # (else the bare one: main says none was)
             raise KeyboardInterrupt(f"{' and '.join(saved)}; run again (without --force) for the rest") from None
         raise
@@ -267,7 +270,7 @@ def evaluate_targets(todo: list[Target], model, sampler, adapters: list[Path], p
         adapter_off = model is not None and bool(adapters) and target.adapter is None  # transformers, base model
         identity = {"checkpoint": target.name, "step": target.step, "elapsed_s": target.elapsed_s, "model": base, "key": key,
                     "backend": "vllm" if model is None else "hf", "code": results.generation_code()}
-        keep = lambda repeats: checkpoint.write_atomic(partial, json.dumps({"identity": identity, "repeats": repeats}))
+        keep = functools.partial(keep_repeats, partial, identity)
         with model.disable_adapter() if adapter_off else contextlib.nullcontext():
             if model is not None:
                 sampler.update_weights(model)  # transformers: the sampler's merged copy takes these weights
@@ -276,7 +279,8 @@ def evaluate_targets(todo: list[Target], model, sampler, adapters: list[Path], p
         result["model"] = base  # what is_result_of matches on
         results.write_results(out_path, key, [*done, result])  # after every checkpoint: an interrupted eval keeps its work
         done.append(result)  # (only once written: an interrupt names what is saved)
-        partial.unlink(missing_ok=True)
+        with contextlib.suppress(OSError):
+            partial.unlink(missing_ok=True)
         if target.adapter is None:  # (a cache only: a write the file system refuses costs the next run the base model's time)
             try:
                 cache.parent.mkdir(parents=True, exist_ok=True)
@@ -286,6 +290,15 @@ def evaluate_targets(todo: list[Target], model, sampler, adapters: list[Path], p
         spread = "(one repeat: no standard error)" if result["accuracy_se"] is None else f"+- {result['accuracy_se']:.3f}"
         log.info("%s (step %d, %.0f s): accuracy %.3f %s, format %.3f", target.name, target.step, target.elapsed_s,
                  result["accuracy"], spread, result["format_rate"])
+
+
+def keep_repeats(partial: Path, identity: dict, repeats: list[list[float]]) -> None:
+    """The repeats a checkpoint has finished, written where a rerun finds them (results.partial_file); a write the file
+    system refuses is a warning (they only save time)."""
+    try:
+        checkpoint.write_atomic(partial, json.dumps({"identity": identity, "repeats": repeats}))
+    except (OSError, checkpoint.CheckpointError) as err:
+        log.warning("finished repeats not kept (%s): %s", partial, str(err).splitlines()[0])
 
 
 def load_target(model, sampler, target: Target) -> None:

@@ -103,7 +103,13 @@ def setting_change(key: str, first: dict, second: dict) -> str:
 
 def differing_keys(a: dict, b: dict, ignore: frozenset[str] | set[str] = frozenset()) -> list[str]:
     """Keys whose values differ between a and b (missing counts as different), sorted."""
-    return sorted(k for k in a.keys() | b.keys() if k not in ignore and a.get(k) != b.get(k))
+    return sorted(k for k in a.keys() | b.keys() if k not in ignore and not same_setting(k, a.get(k), b.get(k)))
+
+
+def same_setting(key: str, a, b) -> bool:
+    """Equal, or for model_resolved two names of one directory: runs begun before 30 November 2026 recorded a local
+    --model as typed ("m"), later ones as its absolute path."""
+    return a == b or (key == "model_resolved" and isinstance(a, str) and isinstance(b, str) and checkpoint.same_path(a, b))
 
 
 def read_json(path: Path, fix: str) -> dict:
@@ -162,7 +168,7 @@ def setting_differences(first_config: dict[str, tuple[Path, dict]]) -> list[str]
     differences = []
     for label, (run, config) in others:
         for key in TASK_FIELDS:
-            if config.get(key) != base.get(key):
+            if not same_setting(key, config.get(key), base.get(key)):
                 raise PlotError(f"{run} ({label}) and {base_run} ({base_label}) trained with {key} {setting_text(config, key)} "
                                 f"against {setting_text(base, key)}; a speed-up compares settings on one model and task")
         differences += [f"{key} {setting_text(config, key)} in {label} against {setting_text(base, key)} in {base_label}"

@@ -84,10 +84,10 @@ def write_results(out: Path, settings: dict, results: list[dict]) -> None:
 
 
 def partial_file(out: Path) -> Path:
-    """Where the finished repeats of the checkpoint being evaluated are kept (RUN/eval-DATASET.partial.json) until its
+    """Where the finished repeats of the checkpoint being evaluated are kept (RUN/eval-DATASET.json.partial) until its
     row is written: a Ctrl-C in its 5th repeat lost four (7 CPU minutes each on the embedded model). Repeat r samples
     with seed + r whatever came before, so a resumed checkpoint's result is the one it would have had."""
-    return out.with_name(out.stem + ".partial.json")
+    return out.with_name(out.name + ".partial")  # (not eval-*.json: plot.py reads a run's only such file)
 
 
 def read_partial(path: Path, identity: dict) -> list[list[float]]:

@@ -26,7 +26,7 @@ import rewards
 import sampling
 import train
 import vllm_sampler
-from testkit import fake_run, interrupt_call, length_reward, read_metrics, tiny_args, tiny_llama
+from testkit import fake_run, interrupt_call, length_reward, lora_policy, read_metrics, tiny_args, tiny_llama
 
 
 @pytest.fixture(scope="session")
@@ -373,6 +373,15 @@ def test_plot_refuses_another_model_names_other_settings_and_picks_vanilla_grpo_
                                             f"compares settings on one model and task\n")
 
 
+def test_plot_takes_a_local_model_recorded_as_typed_and_as_its_absolute_path_for_one(tmp_path, monkeypatch):
+    """Runs begun before 30 November 2026 recorded --model m as typed, later ones its absolute path: one model."""
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "m").mkdir()
+    (tmp_path / "other").mkdir()
+    assert plot.differing_keys({"model_resolved": "m", "n": 4}, {"model_resolved": str(tmp_path / "m"), "n": 4}) == []
+    assert plot.differing_keys({"model_resolved": "m"}, {"model_resolved": str(tmp_path / "other")}) == ["model_resolved"]
+
+
 def test_plot_takes_seeds_of_another_precision_but_refuses_a_seed_split_between_two(tmp_path, capsys):
     """A series of seeds trained and evaluated in float32 (a CPU without bfloat16 arithmetic) compares with the
     bfloat16 seeds (the reproduction's report names each seed's precision: reproduce/test_report.py); a seed
@@ -703,6 +712,16 @@ def test_eval_refuses_an_adapter_of_another_model_in_one_line_before_any_weights
     assert not fake_vllm and not (tmp_path / "eval.json").exists()  # no engine started, nothing evaluated
 
 
+def test_an_adapter_saved_with_its_embeddings_fits_its_model(tiny_model_dir, tmp_path, recwarn):
+    """peft can save the embedding layers beside the LoRA matrices (save_embedding_layers=True): still the model's
+    adapter, and checked without a warning."""
+    model, _ = lora_policy(tiny_model_dir)
+    model.save_pretrained(tmp_path / "adapter", save_embedding_layers=True)
+    recwarn.clear()
+    checkpoint.check_adapter_fits(tmp_path / "adapter", model.config, str(tiny_model_dir))
+    assert not recwarn.list
+
+
 def test_an_adapters_rank_for_vllm_is_its_largest_and_what_vllm_refuses_is_named():
     adapter_config = {"r": 8, "rank_pattern": {"q_proj": 32}, "bias": "none"}
     assert (vllm_sampler.adapter_rank(adapter_config), vllm_sampler.adapter_problem(adapter_config)) == (32, None)
@@ -811,32 +830,36 @@ def test_eval_interrupted_keeps_the_checkpoints_it_finished_and_says_which(tiny_
 
 
 def test_an_interrupted_checkpoint_keeps_its_finished_repeats_and_a_rerun_gives_the_uninterrupted_result(tiny_run, tmp_path,
-                                                                                                           monkeypatch, capsys):
+                                                                                                           monkeypatch, capsys, caplog):
     """A Ctrl-C in a checkpoint's last repeat lost the others (7 CPU minutes each on the embedded model): the repeats
     finished are kept beside the results, the rerun runs only the rest (repeat r samples with seed + r), and its
     row is the one an uninterrupted eval writes. Another checkpoint's repeats are not taken."""
     out, whole = tmp_path / "eval.json", tmp_path / "whole.json"
-    argv = [str(tiny_run), "--dataset", "arith", "--limit", "3", "--repeats", "3", "--samples", "2", "--max-new-tokens", "4"]
+    argv = [str(tiny_run), "--dataset", "arith", "--limit", "2", "--repeats", "2", "--max-new-tokens", "4"]
     assert evaluation.main([*argv, "--out", str(whole)]) == 0
     repeats = []
     real = sampling.HFSampler.generate
 
-    def generate(self, *args, **kwargs):  # checkpoint-2's 3rd repeat (the 6th call: the base is cached) interrupted
+    def generate(self, *args, **kwargs):  # checkpoint-2's 2nd repeat (the 4th call: the base is cached) interrupted
         repeats.append(1)
-        if len(repeats) == 6:
+        if len(repeats) == 4:
             raise KeyboardInterrupt
         return real(self, *args, **kwargs)
 
     monkeypatch.setattr(sampling.HFSampler, "generate", generate)
     assert evaluation.main([*argv, "--out", str(out)]) == 130
-    partial = tmp_path / "eval.partial.json"
+    partial = tmp_path / "eval.json.partial"  # (not eval-*.json: plot.py reads a run's only one)
     assert capsys.readouterr().err.strip().splitlines()[-1] == (
-        f"interrupted: checkpoint-1 saved in {out} and checkpoint-2's first 2 repeats saved in {partial}; run again "
+        f"interrupted: checkpoint-1 saved in {out} and 1 repeat of checkpoint-2 saved in {partial}; run again "
         f"(without --force) for the rest")
     repeats.clear()
     assert evaluation.main([*argv, "--out", str(out)]) == 0
     assert len(repeats) == 1 and not partial.exists()  # the repeat left, then the partial file is gone
     assert json.loads(out.read_text())["results"] == json.loads(whole.read_text())["results"]
+    monkeypatch.setattr(sampling.HFSampler, "generate", real)
+    partial.mkdir()  # a file system that refuses it: the repeats are not kept, and the eval goes on
+    assert evaluation.main([*argv, "--out", str(out), "--force"]) == 0 and "finished repeats not kept" in caplog.text
+    partial.rmdir()
     partial.write_text(json.dumps({"identity": {"checkpoint": "checkpoint-2"}, "repeats": [[1.0, 1.0]]}))
     assert results.read_partial(partial, {"checkpoint": "checkpoint-1"}) == []  # another checkpoint's: none
     partial.write_text("{")
