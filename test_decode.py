@@ -53,12 +53,13 @@ def test_the_cuda_graphs_static_decode_step_generates_what_the_eager_one_does(ti
 
 
 def soft_capped_or_sinks(kind: str):
-    """Tiny random models whose attention sdpa cannot compute, so transformers gives them eager attention: Gemma 2's
-    soft-capped scores and gpt-oss's attention sinks (every layer full attention, so their caches can be reserved)."""
+    """Tiny random models whose attention sdpa cannot compute, on eager attention (transformers 5.24 gives it to them
+    itself): Gemma 2's soft-capped scores and gpt-oss's attention sinks (every layer full attention, so their caches
+    can be reserved)."""
     from transformers import Gemma2Config, Gemma2ForCausalLM, GptOssConfig, GptOssForCausalLM
 
     shape = dict(vocab_size=128, hidden_size=32, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
-                 head_dim=8, layer_types=["full_attention"] * 2)
+                 head_dim=8, layer_types=["full_attention"] * 2, attn_implementation="eager")  # (5.24's choice; 5.19 picks sdpa)
     torch.manual_seed(0)
     if kind == "soft-capped":
         return Gemma2ForCausalLM(Gemma2Config(intermediate_size=64, attn_logit_softcapping=0.5, **shape)).eval()
