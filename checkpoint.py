@@ -27,7 +27,6 @@ import random
 import shutil
 import stat
 import uuid
-import warnings
 from pathlib import Path
 
 import numpy as np
@@ -190,35 +189,6 @@ def check_adapted_layers(path: Path, targets) -> None:
         raise CheckpointError(f"{path} adapts {', '.join(sorted(saved))}, and this train.py adapts {', '.join(sorted(ours))} "
                               f"(every linear map of the decoder's blocks, since 30 November 2026): continue the run with the "
                               f"commit that began it, or begin a new one")
-
-
-def check_adapter_fits(path: Path, model_config, model_name: str) -> None:
-    """Stop in one line where the LoRA matrices of checkpoint `path` have other shapes (or layers) than `model_config`'s
-    model gives them: an adapter trained on another model. transformers stops in a traceback there, and vLLM copies
-    them into its larger slots without a word and samples a model no one trained. The model is built without weights
-    (the meta device: under a second at 3B) and given the adapter's own LoRA config."""
-    from peft import LoraConfig, get_peft_model_state_dict
-    from safetensors import safe_open
-    from transformers import AutoModelForCausalLM
-
-    try:
-        with torch.device("meta"), warnings.catch_warnings():  # (peft's about tied weights, save_embedding_layers, ...)
-            warnings.simplefilter("ignore")
-            base = AutoModelForCausalLM.from_config(model_config)
-            lora = LoraConfig.from_pretrained(str(path))
-            lora.base_model_name_or_path = None  # (the directory it was trained from: peft warns when it differs)
-            expected = {k: tuple(v.shape) for k, v in get_peft_model_state_dict(  # (an adapter may hold the embeddings too)
-                models.add_lora(base, lora), save_embedding_layers=True).items()}
-    except Exception as err:  # a model transformers cannot build, an adapter config peft cannot read: left to the loader
-        log.debug("adapter shapes not checked: %s", err)
-        return
-    with safe_open(path / "adapter_model.safetensors", "pt") as saved:
-        found = {k: tuple(saved.get_slice(k).get_shape()) for k in saved.keys()}
-    for key, shape in found.items():
-        if expected.get(key) != shape:
-            there = f"{list(expected[key])} in {model_name}" if key in expected else f"not in {model_name}"
-            raise CheckpointError(f"{path} is not an adapter of {model_name}: its {key} is {list(shape)}, {there} "
-                                  f"(was the model replaced since the run trained it?)")
 
 
 def check_adapter(path: Path) -> None:

