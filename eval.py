@@ -193,7 +193,7 @@ def evaluate(path: str, settings: Settings, out: str | None, force: bool, backen
     out_path = Path(out)
     examples = data.load_examples(settings.dataset, "test")[: settings.limit]  # a missing dataset stops here
     key = results.results_key(settings.key(), examples)
-    stored = results.load_results(out_path, key, force)
+    stored = results.load_results(out_path, key, force, base)
     todo = [t for t in targets if not any(results.is_result_of(r, t, base) for r in stored)]
     if todo:  # results will be written: a path under a file stops here, not after the evaluation
         plot.make_parent(out_path)

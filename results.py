@@ -50,10 +50,11 @@ def results_name(dataset: str) -> str:
     return f"eval-{Path(dataset).stem.replace(':', '-')}.json"
 
 
-def load_results(out: Path, settings: dict, force: bool) -> list[dict]:
-    """The results already in `out`, made with `settings` (results_key). A file that is not eval.py's
+def load_results(out: Path, settings: dict, force: bool, model: str) -> list[dict]:
+    """The results already in `out`, made with `settings` (results_key) from `model`. A file that is not eval.py's
     results is refused, --force or not: --out pointed at a run's metrics.jsonl or config.json would otherwise
-    replace it."""
+    replace it. So is one of another model's results (two base models evaluated from one directory: the second's
+    "base" row replaced the first's), unless that model is a local directory that has gone (a run's model moved)."""
     if out.is_dir():
         raise ResultsError(f"--out {out} is a directory; name the results file, e.g. {out / results_name(settings['dataset'])}")
     if out.suffix.lower() == ".csv":  # the table written beside the results would replace them
@@ -68,6 +69,10 @@ def load_results(out: Path, settings: dict, force: bool) -> list[dict]:
         changes = "; ".join(plot.setting_change(key, stored["settings"], settings) for key in differing)
         raise ResultsError(f"{out} holds results made with other settings (stored against asked: {changes}); "
                            f"pass --force to redo them or choose --out")
+    for other in {r["model"] for r in stored["results"] if isinstance(r.get("model"), str)}:
+        if not checkpoint.same_path(other, model) and not checkpoint.model_moved(other, model):
+            raise ResultsError(f"{out} holds the results of {other}, and this evaluates {model}: choose another --out "
+                               f"(or pass --force to replace them)")
     return stored["results"]
 
 

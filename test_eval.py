@@ -1002,6 +1002,28 @@ def test_eval_of_a_model_itself_writes_its_results_in_the_current_directory(tiny
     assert f"0 to evaluate, 1 already in {Path('eval-arith.json')}" in caplog.text
 
 
+def test_a_results_file_holds_one_models_results(tiny_model_dir, embedded_dir, tmp_path, capsys):
+    """Two base models evaluated into one file (from one directory, both write ./eval-DATASET.json): the second's
+    "base" row replaced the first's without a word. Refused in one line, unless the first model's directory has gone
+    (a run's model moved: its rows are evaluated again); --force replaces them."""
+    other, out = tiny_llama(embedded_dir, tmp_path / "other", hidden_size=64, heads=4, kv_heads=2), tmp_path / "eval.json"
+    argv = lambda model, *extra: [str(model), "--dataset", "arith", "--limit", "2", "--repeats", "1", "--max-new-tokens", "2",
+                                  "--out", str(out), "--backend", "hf", *extra]
+    assert evaluation.main(argv(tiny_model_dir)) == 0
+    kept = out.read_text()
+    capsys.readouterr()
+    assert evaluation.main(argv(other)) == 2 and out.read_text() == kept
+    assert capsys.readouterr().err == (f"error: {out} holds the results of {tiny_model_dir}, and this evaluates {other}: "
+                                       f"choose another --out (or pass --force to replace them)\n")
+    assert evaluation.main(argv(other, "--force")) == 0
+    assert [r["model"] for r in json.loads(out.read_text())["results"]] == [str(other)]
+    saved = json.loads(out.read_text())
+    saved["results"][0]["model"] = str(tmp_path / "gone")  # a model directory that no longer exists
+    out.write_text(json.dumps(saved))
+    assert evaluation.main(argv(tiny_model_dir)) == 0
+    assert [r["model"] for r in json.loads(out.read_text())["results"]] == [str(tiny_model_dir)]
+
+
 def test_the_base_models_cached_result_is_one_per_directory(tmp_path, monkeypatch):
     """'eval.py .' in two model directories: the second was handed the first's cached result (both were named ".")."""
     files = []
