@@ -110,6 +110,16 @@ class VLLMOptions:
 CHECKPOINT_FILES = ("adapter_model.safetensors", "adapter_config.json", "trainer_state.json")  # what eval.py reads of one
 
 
+def model_weights(path: str, trained: str, model: str | None) -> str:
+    """Where the weights of `trained`, the model of run or checkpoint `path`, are: --model where that model has moved
+    since (a run copied to another machine; train.py --resume takes it too), else where it was."""
+    if model is None and models.missing_path(trained):
+        raise EvalError(f"{trained}, the model {path} was trained from, is not there any more: pass --model with where it is now")
+    if model is not None and not models.missing_path(trained) and not checkpoint.same_path(trained, model):
+        raise EvalError(f"{path} was trained from {trained}, which is still there, not {model}: leave --model out")
+    return trained if model is None else models.pick_model(model, "cpu")
+
+
 def find_targets(path: str) -> tuple[str, list[Target], Path | None]:
     """(base model, targets in order, run directory or None) for a run dir, checkpoint or model."""
     p = absolute(path)
@@ -186,8 +196,9 @@ def generation_precision(backend: str) -> str:
 
 
 def evaluate(path: str, settings: Settings, out: str | None, force: bool, backend: str,
-             options: VLLMOptions = VLLMOptions()) -> Path:
+             options: VLLMOptions = VLLMOptions(), model: str | None = None) -> Path:
     base, targets, run_dir = find_targets(path)
+    weights = model_weights(path, base, model)  # (results name `base`, the model the run trained)
     if out is None:  # beside the run, or in the checkpoint, or here for a base model
         out = str((run_dir or targets[0].adapter or Path(".")) / results.results_name(settings.dataset))
     out_path = Path(out)
@@ -204,11 +215,11 @@ def evaluate(path: str, settings: Settings, out: str | None, force: bool, backen
     device = "cuda" if torch.cuda.is_available() else "cpu"
     use_vllm = vllm_sampler.uses_vllm(backend, device)
     code = results.generation_code("vllm" if use_vllm else "hf")  # what samples: other code, another random stream
-    cache = results.base_cache_file(base, key, code)
+    cache = results.base_cache_file(weights, key, code)
     reuse_base = not force and cache.exists() and any(t.adapter is None for t in todo)
     log.info("%d to evaluate, %d already in %s", len(todo), len(targets) - len(todo), out_path)
     if reuse_base:
-        done.append(results.read_base_cache(cache))
+        done.append(results.read_base_cache(cache) | {"model": base})
         todo = [t for t in todo if t.adapter is not None]
         results.write_results(out_path, key, done)
         log.info("base model: result reused from %s (--force re-evaluates it)", cache)
@@ -217,16 +228,16 @@ def evaluate(path: str, settings: Settings, out: str | None, force: bool, backen
     adapters = [t.adapter for t in targets if t.adapter is not None]
     from transformers import AutoConfig
 
-    model_path = models.local_model_path(base)  # (no network: the model's cached directory)
+    model_path = models.local_model_path(weights)  # (no network: the model's cached directory)
     model_config = AutoConfig.from_pretrained(model_path)
     if adapters:  # before any weights load (adapters of one run have one shape)
-        models.check_adapter_fits(adapters[0], model_config, base)
+        models.check_adapter_fits(adapters[0], model_config, weights)
     if use_vllm:  # vLLM loads the weights itself: here only the tokenizer
         model, tokenizer = None, models.load_tokenizer(model_path)
     else:
-        model, tokenizer = load_hf_model(base, adapters, device)
+        model, tokenizer = load_hf_model(weights, adapters, device)
     prompts = [sampling.build_prompt(tokenizer, e.question) for e in examples]
-    sequence_len = checked_sequence_len(prompts, settings.max_new_tokens, models.context_length(model_config))
+    sequence_len = models.checked_sequence_len(prompts, settings.max_new_tokens, models.context_length(model_config))
     if use_vllm:
         sampler = make_vllm_sampler(model_path, tokenizer, sequence_len, adapters, settings, options)
     else:
@@ -301,17 +312,6 @@ def load_hf_model(base: str, adapters: list[Path], device: str):
     return model, tokenizer
 
 
-def checked_sequence_len(prompts: list[list[int]], max_new_tokens: int, context: int | None) -> int:
-    """The longest prompt plus max_new_tokens: the sequence length generation must hold (vLLM's max_model_len). Within
-    the model's context, or an EvalError: vLLM fails the whole batch on one prompt that is too long, and transformers
-    generates past the context without a word."""
-    too_long = [len(p) for p in prompts if context is not None and len(p) + max_new_tokens > context]
-    if too_long:
-        raise EvalError(f"{len(too_long)} of {len(prompts)} prompts (up to {max(too_long)} tokens) plus --max-new-tokens "
-                        f"{max_new_tokens} exceed the model's context of {context} tokens; lower --max-new-tokens")
-    return max(len(p) for p in prompts) + max_new_tokens
-
-
 def make_vllm_sampler(model_path: str, tokenizer, sequence_len: int, adapters: list[Path], settings: Settings,
                       options: VLLMOptions):
     configs = {adapter: json.loads((adapter / "adapter_config.json").read_text()) for adapter in adapters}
@@ -382,8 +382,8 @@ def default_dataset(trained: dict) -> str:
     return data.ARITH
 
 
-EVALUATION_FLAGS = ("limit", "samples", "repeats", "temperature", "max_new_tokens", "seed", "backend", "gpu_memory_utilization",
-                    "vllm_kv_cache_gb", "enforce_eager", "force")
+EVALUATION_FLAGS = ("model", "limit", "samples", "repeats", "temperature", "max_new_tokens", "seed", "backend",
+                    "gpu_memory_utilization", "vllm_kv_cache_gb", "enforce_eager", "force")
 PLOT_FLAGS = ("baseline", "target_frac")
 VLLM_FLAGS = {"gpu_memory_utilization": "--gpu-memory-utilization", "vllm_kv_cache_gb": "--vllm-kv-cache-gb",
               "enforce_eager": "--vllm-enforce-eager"}
@@ -414,6 +414,8 @@ def main(argv: list[str] | None = None) -> int:
                         help="plot training curves (reward, train accuracy of all and of the kept rollouts, completion "
                              "length, seconds per step, share of uniform groups) from "
                              "metrics.jsonl alone, no evaluation needed [figure: training_curves.png]")
+    parser.add_argument("--model", default=None, type=home,
+                        help="where the run's model is now, if it has moved since the run trained it (a run copied to another machine)")
     parser.add_argument("--dataset", default=None, type=home,
                         help="'gsm8k' (test split), 'arith' (its test stream) or a .jsonl path [the run's task; "
                              "a base model: arith; a run trained on a file: required]")
@@ -479,7 +481,7 @@ def main(argv: list[str] | None = None) -> int:
         settings = Settings(dataset, parse_limit(args.limit, dataset), args.samples, args.repeats, args.temperature,
                             args.max_new_tokens, args.seed, precision=generation_precision(args.backend))
         options = VLLMOptions(args.gpu_memory_utilization, args.vllm_kv_cache_gb, args.enforce_eager)
-        out = evaluate(args.path, settings, args.out, args.force, args.backend, options)
+        out = evaluate(args.path, settings, args.out, args.force, args.backend, options, args.model)
         print(f"results: {out}")
     except (EvalError, results.ResultsError, plot.PlotError, data.DataError, models.SetupError, checkpoint.CheckpointError) as err:
         print(f"error: {err}", file=sys.stderr)

@@ -227,6 +227,17 @@ def check_context(config, sequence_len: int, model_name: str) -> None:
                          f"{context} tokens; lower them")
 
 
+def checked_sequence_len(prompts: list[list[int]], max_new_tokens: int, context: int | None) -> int:
+    """The longest prompt plus max_new_tokens: the sequence length generation must hold (vLLM's max_model_len). Within
+    the model's context, or a SetupError: vLLM fails the whole batch on one prompt that is too long, and transformers
+    generates past the context without a word."""
+    too_long = [len(p) for p in prompts if context is not None and len(p) + max_new_tokens > context]
+    if too_long:
+        raise SetupError(f"{len(too_long)} of {len(prompts)} prompts (up to {max(too_long)} tokens) plus --max-new-tokens "
+                         f"{max_new_tokens} exceed the model's context of {context} tokens; lower --max-new-tokens")
+    return max(len(p) for p in prompts) + max_new_tokens
+
+
 def context_length(config) -> int | None:
     """The model's context in tokens from its config (a multimodal model's language part); None where unknown or
     stretched by RoPE scaling, which is left to the user."""

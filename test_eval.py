@@ -713,6 +713,31 @@ def test_eval_refuses_an_adapter_of_another_model_in_one_line_before_any_weights
     assert not fake_vllm and not (tmp_path / "eval.json").exists()  # no engine started, nothing evaluated
 
 
+def test_eval_takes_the_runs_model_where_it_is_now_with_model(tiny_run, tiny_model_dir, embedded_dir, tmp_path, capsys, caplog):
+    """A run copied to another machine, whose model directory is elsewhere there: eval.py stopped with "... does not
+    exist" and took no --model (train.py --resume does). The rows keep the model the run trained, so those
+    evaluated before the move are reused; a --model beside a model still there is refused."""
+    run, gone = tmp_path / "run", str(tmp_path / "models" / "tiny")
+    shutil.copytree(tiny_run, run)
+    (run / "config.json").write_text(json.dumps(json.loads((run / "config.json").read_text()) | {"model_resolved": gone}))
+    argv = [str(run), "--dataset", "arith", "--limit", "2", "--repeats", "1", "--max-new-tokens", "2", "--backend", "hf",
+            "--out", str(tmp_path / "eval.json")]
+    capsys.readouterr()
+    assert evaluation.main(argv) == 2
+    assert capsys.readouterr().err == (f"error: {gone}, the model {run} was trained from, is not there any more: pass "
+                                       f"--model with where it is now\n")
+    assert evaluation.main([*argv, "--model", str(tiny_model_dir)]) == 0
+    rows = json.loads((tmp_path / "eval.json").read_text())["results"]
+    assert [(r["checkpoint"], r["model"]) for r in rows] == [("base", gone), ("checkpoint-1", gone), ("checkpoint-2", gone)]
+    with caplog.at_level("INFO", logger="pods"):
+        assert evaluation.main([*argv, "--model", str(tiny_model_dir)]) == 0 and "0 to evaluate, 3 already" in caplog.text
+    capsys.readouterr()
+    other = tiny_llama(embedded_dir, tmp_path / "other", hidden_size=64, heads=4, kv_heads=2)
+    assert evaluation.main([str(tiny_run), *argv[1:], "--out", str(tmp_path / "e.json"), "--model", str(other)]) == 2
+    assert capsys.readouterr().err == (f"error: {tiny_run} was trained from {tiny_model_dir}, which is still there, not "
+                                       f"{other}: leave --model out\n")
+
+
 def test_an_adapter_saved_with_its_embeddings_fits_its_model(tiny_model_dir, tmp_path, recwarn):
     """peft can save the embedding layers beside the LoRA matrices (save_embedding_layers=True): still the model's
     adapter, and checked without a warning."""
@@ -733,10 +758,10 @@ def test_an_adapters_rank_for_vllm_is_its_largest_and_what_vllm_refuses_is_named
 
 def test_eval_sequence_len_is_the_longest_prompt_plus_max_new_tokens_within_the_context():
     prompts = [[1] * 10, [1] * 30, [1] * 50]
-    assert evaluation.checked_sequence_len(prompts, 20, context=70) == 70
-    assert evaluation.checked_sequence_len(prompts, 20, context=None) == 70
-    with pytest.raises(evaluation.EvalError) as err:
-        evaluation.checked_sequence_len(prompts, 40, context=64)
+    assert models.checked_sequence_len(prompts, 20, context=70) == 70
+    assert models.checked_sequence_len(prompts, 20, context=None) == 70
+    with pytest.raises(models.SetupError) as err:
+        models.checked_sequence_len(prompts, 40, context=64)
     assert str(err.value) == "2 of 3 prompts (up to 50 tokens) plus --max-new-tokens 40 exceed the model's context of 64 tokens; lower --max-new-tokens"
 
 
