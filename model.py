@@ -296,7 +296,7 @@ def add_lora(model, config):
         return get_peft_model(model, config)
 
 
-def check_adapter_fits(path: Path, model_config, model_name: str) -> None:
+def check_adapter_fits(path: Path, model_config, model_name: str, hint: str | None = None) -> None:
     """Stop in one line where the LoRA matrices of checkpoint `path` have other shapes (or layers) than `model_config`'s
     model gives them: an adapter trained on another model. transformers stops in a traceback there, and vLLM copies
     them into its larger slots without a word and samples a model no one trained. The model is built without weights
@@ -322,7 +322,7 @@ def check_adapter_fits(path: Path, model_config, model_name: str) -> None:
         if expected.get(key) != shape:
             there = f"{list(expected[key])} in {model_name}" if key in expected else f"not in {model_name}"
             raise SetupError(f"{path} is not an adapter of {model_name}: its {key} is {list(shape)}, {there} "
-                             f"(was the model replaced since the run trained it?)")
+                             f"({hint or 'was the model replaced since the run trained it?'})")
 
 
 def enable_activation_checkpointing(model) -> None:

@@ -54,7 +54,7 @@ def load_results(out: Path, settings: dict, force: bool, model: str) -> list[dic
     """The results already in `out`, made with `settings` (results_key) from `model`. A file that is not eval.py's
     results is refused, --force or not: --out pointed at a run's metrics.jsonl or config.json would otherwise
     replace it. So is one of another model's results (two base models evaluated from one directory: the second's
-    "base" row replaced the first's), unless that model is a local directory that has gone (a run's model moved)."""
+    "base" row replaced the first's), unless either is a local directory that has gone (a run's model moved)."""
     if out.is_dir():
         raise ResultsError(f"--out {out} is a directory; name the results file, e.g. {out / results_name(settings['dataset'])}")
     if out.suffix.lower() == ".csv":  # the table written beside the results would replace them
@@ -70,7 +70,7 @@ def load_results(out: Path, settings: dict, force: bool, model: str) -> list[dic
         raise ResultsError(f"{out} holds results made with other settings (stored against asked: {changes}); "
                            f"pass --force to redo them or choose --out")
     for other in {r["model"] for r in stored["results"] if isinstance(r.get("model"), str)}:
-        if not checkpoint.same_path(other, model) and not checkpoint.model_moved(other, model):
+        if not checkpoint.same_path(other, model) and not models.missing_path(other) and not models.missing_path(model):
             raise ResultsError(f"{out} holds the results of {other}, and this evaluates {model}: choose another --out "
                                f"(or pass --force to replace them)")
     return stored["results"]
@@ -117,17 +117,17 @@ def read_partial(path: Path, identity: dict) -> list[list[float]]:
 
 def keep_repeats(path: Path, identity: dict, repeats: list[list[float]]) -> None:
     """The repeats a checkpoint has finished, each [accuracy, format rate], where a rerun finds them (read_partial)."""
-    keep(path, json.dumps({"identity": identity, "repeats": repeats}), "finished repeats")
+    keep(path, json.dumps({"identity": identity, "repeats": repeats}), "finished repeats not kept")
 
 
-def keep(path: Path, text: str, what: str) -> None:
+def keep(path: Path, text: str, refused: str) -> None:
     """Write a file that only saves time (finished repeats, the base model's cached result); a write the file system
-    refuses is a warning, not the end of an evaluation."""
+    refuses is a warning that begins with `refused`, not the end of an evaluation."""
     try:
         path.parent.mkdir(parents=True, exist_ok=True)
         checkpoint.write_atomic(path, text)
     except (OSError, checkpoint.CheckpointError) as err:
-        log.warning("%s not kept (%s): %s", what, path, str(err).splitlines()[0])
+        log.warning("%s (%s): %s", refused, path, str(err).splitlines()[0])
 
 
 def partial_repeats(path: Path) -> tuple[str, int] | None:

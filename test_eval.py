@@ -133,7 +133,7 @@ def test_eval_goes_on_when_the_base_models_result_cannot_be_cached(tiny_run, tmp
     argv = [str(tiny_run), "--dataset", "arith", "--limit", "2", "--repeats", "1", "--max-new-tokens", "4", "--out", str(out)]
     assert evaluation.main(argv) == 0
     assert [r["checkpoint"] for r in json.loads(out.read_text())["results"]] == ["base", "checkpoint-1", "checkpoint-2"]
-    assert "the base model's result not kept" in caplog.text
+    assert "the base model's result is not cached" in caplog.text
 
 
 def test_eval_refuses_a_runs_results_from_another_test_set_or_grader_and_names_a_file_without_its_folder(
@@ -716,26 +716,46 @@ def test_eval_refuses_an_adapter_of_another_model_in_one_line_before_any_weights
 def test_eval_takes_the_runs_model_where_it_is_now_with_model(tiny_run, tiny_model_dir, embedded_dir, tmp_path, capsys, caplog):
     """A run copied to another machine, whose model directory is elsewhere there: eval.py stopped with "... does not
     exist" and took no --model (train.py --resume does). The rows keep the model the run trained, so those
-    evaluated before the move are reused; a --model beside a model still there is refused."""
+    evaluated before the move are reused, and a finished run needs no --model; a --model beside a model still there, of
+    another shape, or for a base model is refused in one line."""
     run, gone = tmp_path / "run", str(tmp_path / "models" / "tiny")
     shutil.copytree(tiny_run, run)
     (run / "config.json").write_text(json.dumps(json.loads((run / "config.json").read_text()) | {"model_resolved": gone}))
-    argv = [str(run), "--dataset", "arith", "--limit", "2", "--repeats", "1", "--max-new-tokens", "2", "--backend", "hf",
-            "--out", str(tmp_path / "eval.json")]
+    out = tmp_path / "eval.json"
+    argv = lambda path, *extra: [str(path), "--dataset", "arith", "--limit", "2", "--repeats", "1", "--max-new-tokens", "2",
+                                 "--backend", "hf", "--out", str(out), *extra]
+    error = lambda: capsys.readouterr().err.rpartition("error: ")[2]
     capsys.readouterr()
-    assert evaluation.main(argv) == 2
-    assert capsys.readouterr().err == (f"error: {gone}, the model {run} was trained from, is not there any more: pass "
-                                       f"--model with where it is now\n")
-    assert evaluation.main([*argv, "--model", str(tiny_model_dir)]) == 0
-    rows = json.loads((tmp_path / "eval.json").read_text())["results"]
+    assert evaluation.main(argv(run)) == 2
+    assert error() == f"{gone}, the model {run} was trained from, is not there any more: pass --model with where it is now\n"
+    wider = tiny_llama(embedded_dir, tmp_path / "wider", hidden_size=96, heads=4, kv_heads=2)
+    assert evaluation.main(argv(run, "--model", str(wider))) == 2 and not out.exists()
+    assert error().endswith(f"[4, 192] in {wider} (is --model the run's model?)\n")
+    assert evaluation.main(argv(run, "--model", str(tiny_model_dir))) == 0
+    rows = json.loads(out.read_text())["results"]
     assert [(r["checkpoint"], r["model"]) for r in rows] == [("base", gone), ("checkpoint-1", gone), ("checkpoint-2", gone)]
     with caplog.at_level("INFO", logger="pods"):
-        assert evaluation.main([*argv, "--model", str(tiny_model_dir)]) == 0 and "0 to evaluate, 3 already" in caplog.text
+        assert evaluation.main(argv(run)) == 0 and "0 to evaluate, 3 already" in caplog.text  # (nothing to do: no --model)
     capsys.readouterr()
     other = tiny_llama(embedded_dir, tmp_path / "other", hidden_size=64, heads=4, kv_heads=2)
-    assert evaluation.main([str(tiny_run), *argv[1:], "--out", str(tmp_path / "e.json"), "--model", str(other)]) == 2
-    assert capsys.readouterr().err == (f"error: {tiny_run} was trained from {tiny_model_dir}, which is still there, not "
-                                       f"{other}: leave --model out\n")
+    out = tmp_path / "e.json"
+    assert evaluation.main(argv(tiny_run, "--model", str(other))) == 2
+    assert error() == f"{tiny_run} was trained from {tiny_model_dir}, which is still there: leave --model {other} out\n"
+    assert evaluation.main(argv(tiny_model_dir, "--model", str(other))) == 2
+    assert error() == f"--model names where a run's model is now; PATH {tiny_model_dir} is the model evaluated: leave --model out\n"
+
+
+def test_a_results_file_of_a_run_resumed_elsewhere_with_model_is_not_refused(tiny_run, tiny_model_dir, tmp_path):
+    """Evaluated here with the model at one path, resumed on another machine with --model there (config.json now
+    names that path, gone here): the run's own results file is not another model's (it was refused)."""
+    run, elsewhere, out = tmp_path / "run", str(tmp_path / "machine-b" / "tiny"), tmp_path / "eval.json"
+    shutil.copytree(tiny_run, run)
+    argv = [str(run), "--dataset", "arith", "--limit", "2", "--repeats", "1", "--max-new-tokens", "2", "--backend", "hf",
+            "--out", str(out)]
+    assert evaluation.main(argv) == 0
+    (run / "config.json").write_text(json.dumps(json.loads((run / "config.json").read_text()) | {"model_resolved": elsewhere}))
+    assert evaluation.main([*argv, "--model", str(tiny_model_dir)]) == 0
+    assert {r["model"] for r in json.loads(out.read_text())["results"]} == {elsewhere}
 
 
 def test_an_adapter_saved_with_its_embeddings_fits_its_model(tiny_model_dir, tmp_path, recwarn):
