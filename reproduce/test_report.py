@@ -491,5 +491,9 @@ def test_seen_test_questions_counts_what_the_kept_runs_drew_as_reproduce_readme_
     seen_test_questions.main()
     lines = capsys.readouterr().out.splitlines()
     assert lines[0] == "254 distinct of the first 256 test questions; 208 of them in seed 0's training pool of 9389 distinct"
-    assert lines[-2].endswith("mean +7.2 questions = +0.028 of the accuracy at most")
-    assert lines[-1].endswith("mean -5.7 questions = -0.022 of the accuracy at most")
+    assert lines[-4].endswith("mean +7.2 questions = +0.028 of the accuracy at most")
+    assert lines[-3].endswith("mean -5.7 questions = -0.022 of the accuracy at most")
+    assert lines[-2].endswith("13.9 min: drawn share +0.011 (mean over the horizon); mean accuracy +0.046 [+0.008, +0.083], "
+                              "less it seed by seed +0.035 [-0.002, +0.072] (95% t interval)")  # the headline's first row, cpu_primary.txt
+    assert lines[-1].endswith("14.3 min: drawn share -0.007 (mean over the horizon); mean accuracy +0.076 [+0.012, +0.141], "
+                              "less it seed by seed +0.083 [+0.024, +0.143] (95% t interval)")
