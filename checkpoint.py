@@ -18,6 +18,7 @@ the checkpoint's step: those steps run again, drawing the same prompts and the s
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import json
 import logging
 import math
@@ -345,6 +346,20 @@ def check_resume_config(out_dir: Path, args, world_size: int = 1, resumed_from: 
         raise config.UsageError(f"--resume with {world_size} process(es), but {out_dir} was trained with {trained_with}: "
                          f"each rank's random state is saved per rank; launch {trained_with} (torchrun --nproc_per_node) to continue it")
     return warnings
+
+
+RUN_LENGTH = ("steps", "time_budget")  # --resume takes the run's own where they are not given
+
+
+def run_length(args, out_dir: Path, resumed_from: Path):
+    """`args` with --steps and --time-budget, where not given, as the run had them at checkpoint `resumed_from`: a
+    run of --steps 4, resumed with `--resume --out-dir` alone, took the profile's 100 and trained on without a word."""
+    try:
+        saved = settings_at(json.loads((out_dir / "config.json").read_text()), int(resumed_from.name.split("-")[-1]))
+        kept = {k: saved[k] for k in RUN_LENGTH if getattr(args, k) is None and is_number(saved.get(k), (int, float))}
+    except (OSError, ValueError, AttributeError, TypeError):  # (no config.json or a damaged one: check_resume_config says so)
+        return args
+    return dataclasses.replace(args, **kept)
 
 
 def settings_at(saved: dict, step: int) -> dict:

@@ -29,9 +29,9 @@ UNIFORM_GROUPS = ("keep", "skip", "refill")  # --uniform-groups: what a step doe
 MAX_SEED = 2**31  # --seed below it: ranks and eval's repeats add to it, and vLLM seeds numpy (32-bit) with it
 
 PROFILES = {
-    "gpu": dict(prompts_per_step=1, max_new_tokens=512, lr=5e-6, lora_rank=64, lora_alpha=64, micro_batch=4, steps=1000,
+    "gpu": dict(prompts_per_step=1, max_new_tokens=512, lr=5e-6, lora_rank=64, lora_alpha=64, micro_batch=4, steps=1000, time_budget=0.0,
                 gradient_checkpointing=True, bf16_autocast=False, bf16_weights=True, merged_sampler=True, share_prompt=False),
-    "cpu": dict(prompts_per_step=4, max_new_tokens=32, lr=3e-4, lora_rank=16, lora_alpha=32, micro_batch=8, steps=100,
+    "cpu": dict(prompts_per_step=4, max_new_tokens=32, lr=3e-4, lora_rank=16, lora_alpha=32, micro_batch=8, steps=100, time_budget=0.0,
                 gradient_checkpointing=False, bf16_autocast=True, bf16_weights=False, merged_sampler=True, share_prompt=True),
 }
 BFLOAT16_FLAGS = ("bf16_autocast",)  # off in the CPU profile where the CPU emulates bfloat16 (the merged copy is then float32)

@@ -94,6 +94,24 @@ def test_resume_with_fewer_steps_or_a_spent_time_budget_says_so_and_leaves_the_r
     assert (out / "config.json").read_text() == before and [r["step"] for r in read_metrics(out)] == [1, 2]
 
 
+def test_resume_without_steps_or_a_time_budget_keeps_the_runs_own(tiny_model_dir, tmp_path, caplog, length_rewards):
+    """A run of --steps 2 interrupted at step 1, resumed with `--resume` and no --steps: it took the profile's 100 and
+    trained on without a word. Now it ends at the run's own 2, and a time-budgeted run keeps its budget; a flag given
+    still sets them (a larger --steps continues it)."""
+    out = tmp_path / "run"
+    assert train.main(tiny_args(tiny_model_dir, out, "--steps", "2", "--save-every-steps", "1")) == 0
+    shutil.rmtree(out / "checkpoint-2")
+    assert train.main(tiny_args(tiny_model_dir, out, "--resume")) == 0
+    assert [r["step"] for r in read_metrics(out)] == [1, 2] and json.loads((out / "config.json").read_text())["steps"] == 2
+    assert train.main(tiny_args(tiny_model_dir, out, "--resume", "--steps", "3")) == 0
+    assert [r["step"] for r in read_metrics(out)] == [1, 2, 3]
+    budgeted = tmp_path / "budgeted"
+    assert train.main(tiny_args(tiny_model_dir, budgeted, "--steps", "1", "--time-budget", "0.0001")) == 0
+    with caplog.at_level(logging.INFO, logger="pods"):
+        assert train.main(tiny_args(tiny_model_dir, budgeted, "--resume", "--steps", "5")) == 0
+    assert f"{budgeted} is past --time-budget 0.0001 (step 1, " in caplog.text and len(read_metrics(budgeted)) == 1
+
+
 def test_resume_with_other_settings_exits_2_naming_them(tiny_model_dir, tmp_path, capsys, length_rewards):
     out = tmp_path / "run"
     assert train.main(tiny_args(tiny_model_dir, out, "--steps", "1")) == 0

@@ -88,8 +88,8 @@ class Args:
     clip_eps_high: float | None = arg(None, "upper clip range (default: --clip-eps; no effect, as --clip-eps)")
     beta: float = arg(0.0, "KL penalty weight against the base model (the LoRA adapter switched off); 0 = no KL term")
     tis_cap: float = arg(0.0, "weight each token by min(pi_trainer / pi_sampler, this cap), truncated importance sampling; 0 = off")
-    steps: int | None = arg(None, "training steps [GPU 1000, CPU 100]")
-    time_budget: float = arg(0.0, "stop after this many minutes of training (0 = no limit; --steps still applies)")
+    steps: int | None = arg(None, "training steps [GPU 1000, CPU 100; --resume: the run's]")
+    time_budget: float | None = arg(None, "stop after this many minutes of training, 0 = no limit (--steps still applies) [0; --resume: the run's]")
     save_every_steps: int = arg(25, "save a checkpoint every this many steps (0 = off)")
     save_every_minutes: float = arg(10.0, "save a checkpoint every this many minutes of training (0 = off)")
     out_dir: str = arg("runs/pods", "directory for config.json, metrics.jsonl and checkpoint-STEP/")
@@ -286,10 +286,10 @@ def update_settings(args: Args) -> UpdateSettings:
 def train(args: Args, world: distributed.World = distributed.World()) -> Path:
     """A training run in this process; under torchrun, this rank's part of it (`world`)."""
     device = "cuda" if torch.cuda.is_available() else "cpu"
-    args = config.resolve(args, device, world.size)
     out_dir = Path(args.out_dir)
     found = checkpoint.found_in(out_dir)
     resuming = checkpoint.continues(args.resume, out_dir, found)
+    args = config.resolve(checkpoint.run_length(args, out_dir, found[-1]) if resuming else args, device, world.size)
     model_name = pick_model(args.model, device)  # here, before --out-dir is made (and --out-dir before the model loads)
     if resuming:
         changes = checkpoint.check_resume_config(out_dir, args, world.size, found[-1], model_name)  # warnings, if it trains on
