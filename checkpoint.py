@@ -428,6 +428,8 @@ def check_resumed_model(out_dir: Path, trained: str, model_name: str) -> None:
         log.warning("--resume: %s trained %s, which is not here any more; continuing with %s as that model (config.json will "
                     "name it)", out_dir, trained, model_name)
         return
+    if models.missing_path(trained):  # (and --model names no directory: "pass --model {trained}" named the one gone)
+        raise config.UsageError(f"--resume: {out_dir} trained {trained}, which is not there any more: pass --model with where it is now")
     if not same_path(trained, model_name):
         raise config.UsageError(f"--resume: {out_dir} trained {trained}, but this command loads {model_name}; pass --model {trained}")
 

@@ -1689,7 +1689,8 @@ def test_a_ctrl_c_that_also_ends_the_pipe_reading_the_run_ends_it_as_a_ctrl_c(ti
     assert [r["step"] for r in read_metrics(out)] == [1, 2] and checkpoint.find(out)[-1].name == "checkpoint-2"
 
 
-def test_resume_takes_a_dataset_or_a_model_by_another_path_to_the_same_or_a_moved_file(tiny_model_dir, tmp_path, monkeypatch, length_rewards):
+def test_resume_takes_a_dataset_or_a_model_by_another_path_to_the_same_or_a_moved_file(tiny_model_dir, tmp_path, monkeypatch, capsys,
+                                                                                       length_rewards):
     """--dataset was compared as typed: "./d.jsonl" and its whole path were refused as another dataset; and a run whose
     local model directory moved (or was copied to another machine) was told to pass --model at the old path, which
     no longer exists: no resume at all without editing config.json."""
@@ -1701,6 +1702,9 @@ def test_resume_takes_a_dataset_or_a_model_by_another_path_to_the_same_or_a_move
     monkeypatch.chdir(tmp_path)
     assert train.main(tiny_args(model, out, "--steps", "1", "--dataset", "./d.jsonl")) == 0
     moved = model.rename(tmp_path / "moved")
+    assert train.main([*tiny_args(moved, out, "--steps", "2", "--dataset", str(dataset), "--resume"), "--model", "embedded"]) == 2
+    assert capsys.readouterr().err.endswith(f"error: --resume: {out} trained {model}, which is not there any more: pass --model "
+                                            f"with where it is now\n")  # (it said "pass --model {model}", the path gone)
     assert train.main(tiny_args(moved, out, "--steps", "2", "--dataset", str(dataset), "--resume")) == 0
     saved = json.loads((out / "config.json").read_text())
     assert saved["dataset"] == "./d.jsonl" and saved["model_resolved"] == str(moved)
