@@ -161,19 +161,23 @@ CLOCK_FIELDS = ("device", "world_size", "torch", "backend", "gen_batch", "micro_
                 "merged_sampler", "cuda_graph", "gpu_memory_utilization", "vllm_kv_cache_gb", "vllm_enforce_eager", "vllm_sleep")
 
 
+def check_same_task(run: Path, config: dict, first_run: Path, first: dict) -> None:
+    """Refuse a run of another model or task than the first run's: a speed-up compares settings on one model and task.
+    Checked as each run is read, before its evaluation's settings: told to evaluate both alike, a user re-evaluated
+    them with --force, and was refused this then."""
+    for key in TASK_FIELDS:
+        if not same_setting(key, config.get(key), first.get(key)):
+            raise PlotError(f"{run} ({label_of(config)}) and {first_run} ({label_of(first)}) trained with {key} "
+                            f"{setting_text(config, key)} against {setting_text(first, key)}; a speed-up compares settings "
+                            f"on one model and task")
+
+
 def setting_differences(first_config: dict[str, tuple[Path, dict]]) -> list[str]:
-    """Each setting's first run against the first setting's (all its runs agree, group_curves): another model or
-    task is refused, and the OBJECTIVE_FIELDS and CLOCK_FIELDS that differ are returned as text."""
+    """Each setting's first run against the first setting's (all its runs agree, group_curves; model and task are
+    one, check_same_task): the OBJECTIVE_FIELDS and CLOCK_FIELDS that differ, as text."""
     (base_label, (base_run, base)), *others = first_config.items()
-    differences = []
-    for label, (run, config) in others:
-        for key in TASK_FIELDS:
-            if not same_setting(key, config.get(key), base.get(key)):
-                raise PlotError(f"{run} ({label}) and {base_run} ({base_label}) trained with {key} {setting_text(config, key)} "
-                                f"against {setting_text(base, key)}; a speed-up compares settings on one model and task")
-        differences += [f"{key} {setting_text(config, key)} in {label} against {setting_text(base, key)} in {base_label}"
-                        for key in OBJECTIVE_FIELDS + CLOCK_FIELDS if config.get(key) != base.get(key)]
-    return differences
+    return [f"{key} {setting_text(config, key)} in {label} against {setting_text(base, key)} in {base_label}"
+            for label, (run, config) in others for key in OBJECTIVE_FIELDS + CLOCK_FIELDS if config.get(key) != base.get(key)]
 
 
 def group_curves(run_dirs: list[Path], results_file: str | None, clock=None
@@ -195,6 +199,10 @@ def group_curves(run_dirs: list[Path], results_file: str | None, clock=None
     for run in run_dirs:
         if not (run / "config.json").exists():
             raise PlotError(f"{run} is not a run directory (no config.json)")
+        config = read_json(run / "config.json", "it is the run's settings, written by train.py: copy the run again")
+        if "model_resolved" not in config:  # a model's own config.json
+            raise PlotError(f"{run / 'config.json'} is not a training run's (train.py writes model_resolved, rule, n and m there)")
+        check_same_task(run, config, *next(iter(first_config.values()), (run, config)))
         files = sorted(run.glob("eval-*.json"))
         if results_file is not None:
             files = [f for f in files if f.name == results_file]
@@ -218,9 +226,6 @@ def group_curves(run_dirs: list[Path], results_file: str | None, clock=None
             redo = [run, first_run] if DIGESTS.keys() & set(differing) else [run]  # another grader: both, with this one
             raise PlotError(f"{run} and {first_run} were evaluated with different settings ({values}); evaluate them alike "
                             f"before comparing: {' and '.join(f'python eval.py {r}{flags} --force' for r in redo)}")
-        config = read_json(run / "config.json", "it is the run's settings, written by train.py: copy the run again")
-        if "model_resolved" not in config:  # a model's own config.json
-            raise PlotError(f"{run / 'config.json'} is not a training run's (train.py writes model_resolved, rule, n and m there)")
         label = label_of(config)
         if label in first_config:
             other, other_config = first_config[label]

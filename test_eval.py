@@ -372,6 +372,12 @@ def test_plot_refuses_another_model_names_other_settings_and_picks_vanilla_grpo_
     assert capsys.readouterr().err.endswith(f"error: {pods} (PODS max_variance n=16 m=8) and {grpo} (GRPO n=8) trained with "
                                             f"model_resolved \"Qwen/Qwen2.5-3B-Instruct\" against \"embedded\"; a speed-up "
                                             f"compares settings on one model and task\n")
+    (pods / "config.json").write_text(json.dumps(config | {"dataset": "gsm8k"}))  # another task, evaluated otherwise too
+    stored = json.loads((pods / "eval-arith.json").read_text())
+    (pods / "eval-arith.json").write_text(json.dumps(stored | {"settings": {"limit": 32}}))
+    assert evaluation.main(["--plot", str(grpo), str(pods), *argv]) == 2  # (told to evaluate both alike, with --force; in vain)
+    assert capsys.readouterr().err.endswith("trained with dataset \"gsm8k\" against (not set); a speed-up compares settings on "
+                                            "one model and task\n")
 
 
 def test_plot_takes_a_local_model_recorded_as_typed_and_as_its_absolute_path_for_one(tmp_path, monkeypatch):
