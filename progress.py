@@ -239,6 +239,7 @@ def ctrl_c_handler(stop: dict):
             raise KeyboardInterrupt
         stop.update(requested=True, signal=signum, at=now)
         name = "Ctrl-C" if signum == signal.SIGINT else signal.Signals(signum).name
-        log.info("%s: finishing this step, then saving a checkpoint (Ctrl-C again to quit without saving)", name)
+        log.info("%s: finishing this step, then saving a checkpoint (%s again to quit without saving)", name,
+                 "Ctrl-C" if signum == signal.SIGINT else f"Ctrl-C or {name}")
 
     return on_signal

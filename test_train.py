@@ -358,11 +358,14 @@ def test_progress_bar_counts_minutes_under_a_time_budget_and_steps_otherwise(bud
 
 
 @pytest.mark.parametrize("signum", [signal.SIGINT, signal.SIGTERM])  # SIGTERM: what a cluster scheduler sends before its kill
-def test_ctrl_c_or_sigterm_finishes_the_step_saves_and_exits_130(tiny_model_dir, tmp_path, monkeypatch, signum, length_rewards):
+def test_ctrl_c_or_sigterm_finishes_the_step_saves_and_exits_130(tiny_model_dir, tmp_path, monkeypatch, signum, caplog, length_rewards):
     interrupt_call(monkeypatch, train, "policy_update", 1, signum)  # arrives during step 1's update
     out = tmp_path / "run"
     before = signal.getsignal(signum)  # Python's default, or SIG_IGN when started in the background (nohup ... &)
-    assert train.main(tiny_args(tiny_model_dir, out, "--steps", "5")) == 130
+    with caplog.at_level(logging.INFO, logger="pods"):
+        assert train.main(tiny_args(tiny_model_dir, out, "--steps", "5")) == 130
+    again = "Ctrl-C" if signum == signal.SIGINT else "Ctrl-C or SIGTERM"  # (a scheduler's second SIGTERM quits too)
+    assert f"finishing this step, then saving a checkpoint ({again} again to quit without saving)" in caplog.text
     assert [r["step"] for r in read_metrics(out)] == [1]
     assert [p.name for p in checkpoint.find(out)] == ["checkpoint-1"]
     assert signal.getsignal(signum) == before  # restored
