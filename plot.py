@@ -358,9 +358,11 @@ def draw(comparison: Comparison, out: Path, frac: float = TARGET_FRAC, xlabel: s
     fig, ax = plt.subplots(figsize=(7, 4.5))
     for label, (t, mean, se) in comparison.curves.items():
         minutes, mean, se = np.array(t) / 60, np.array(mean), np.array(se)
-        seeds = len(comparison.groups[label])
-        ax.plot(minutes, mean, marker="o", markersize=3, label=f"{label} ({seeds} seed{'s' if seeds > 1 else ''})",
-                linewidth=2.2 if label == comparison.baseline else 1.5)
+        seeds, hollow_end = len(comparison.groups[label]), interpolated_at_end(comparison, label)
+        line, = ax.plot(minutes, mean, marker="o", markersize=3, label=f"{label} ({seeds} seed{'s' if seeds > 1 else ''})",
+                        linewidth=2.2 if label == comparison.baseline else 1.5, markevery=slice(0, len(t) - hollow_end))
+        if hollow_end:
+            ax.plot(minutes[-1:], mean[-1:], linestyle="none", marker="o", markersize=5, markerfacecolor="white", color=line.get_color())
         ax.fill_between(minutes, mean - se, mean + se, alpha=0.2)
     peak = max(comparison.curves[comparison.baseline][1])
     ax.axhline(frac * peak, color="gray", linestyle=":", linewidth=1, label=f"target: {frac:g} x {comparison.baseline} peak")
@@ -375,8 +377,15 @@ def draw(comparison: Comparison, out: Path, frac: float = TARGET_FRAC, xlabel: s
     plt.close(fig)
 
 
+def interpolated_at_end(comparison: Comparison, label: str) -> bool:
+    """Whether a run of `label` was not evaluated at the window's end (the shortest run's): its curve's last point is
+    read between its evaluations around it (run_up_to), the one after the window included. The figure draws it hollow."""
+    return any(comparison.horizon not in times for times, _ in comparison.whole[label])
+
+
 def speedup_table(comparison: Comparison, frac: float = TARGET_FRAC) -> list[str]:
-    """The authors' table: the baseline's peak and target, and each setting's time to it and speed-up."""
+    """The authors' table: the baseline's peak and target, and each setting's time to it and speed-up; and which of these
+    fall on a point read between evaluations at the window's end (interpolated_at_end)."""
     peak, t_base, others = speedups({k: (v[0], v[1]) for k, v in comparison.curves.items()}, comparison.baseline, frac)
     lines = [f"baseline {comparison.baseline}: peak {peak:.3f}, target {frac:g} x peak = {frac * peak:.3f}, "
              f"first reached at {t_base / 60:.1f} min",
@@ -390,6 +399,13 @@ def speedup_table(comparison: Comparison, frac: float = TARGET_FRAC) -> list[str
         else:
             speed = "-" if t_base == 0 else f"{t_base / t:.2f}x" if t > 0 else "at start"
             lines.append(f"{label:<36}{t / 60:>20.1f} min{speed:>10}")
+    times, accuracies = comparison.curves[comparison.baseline][:2]
+    read = [("the baseline's peak", comparison.baseline, times[-1] if peak not in accuracies[:-1] else None),
+            (f"{comparison.baseline}'s time", comparison.baseline, t_base), *((f"{label}'s time", label, t) for label, t in others.items())]
+    at_end = [what for what, label, t in read if t == comparison.horizon and interpolated_at_end(comparison, label)]
+    if at_end:
+        lines.append(f"(interpolated at the window's end between two evaluations of a run that went on past it, the figure's "
+                     f"hollow point: {', '.join(at_end)})")
     return lines
 
 

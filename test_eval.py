@@ -339,6 +339,20 @@ def test_plot_writes_a_png_and_prints_the_speedup_table(tmp_path, capsys):
     assert "never reached" in out
 
 
+def test_plot_says_where_the_peak_or_a_first_time_is_interpolated_at_the_window_end(tmp_path, capsys):
+    """GRPO ran on past the PODS run's end (240 s): its accuracy there, its peak in the window, is read between its
+    evaluations at 120 s and 360 s. It was drawn and counted like a measured point without a word."""
+    grpo = fake_run(tmp_path, "grpo", "none", 8, 8, [(0, 0.2), (120, 0.4), (360, 0.7)])
+    pods = fake_run(tmp_path, "pods", "max_variance", 16, 8, [(0, 0.2), (60, 0.5), (240, 0.6)])
+    assert evaluation.main(["--plot", str(grpo), str(pods), "--out", str(tmp_path / "f.png")]) == 0
+    out = capsys.readouterr().out.splitlines()
+    assert out[2].startswith("baseline GRPO n=8: peak 0.550, target 0.99 x peak = 0.544, first reached at 4.0 min")
+    assert out[-2] == ("(interpolated at the window's end between two evaluations of a run that went on past it, the figure's "
+                       "hollow point: the baseline's peak, GRPO n=8's time)")  # PODS was evaluated there: not named
+    comparison = plot.compare([grpo, pods], None, None)
+    assert [plot.interpolated_at_end(comparison, label) for label in comparison.curves] == [True, False]
+
+
 def test_plot_refuses_another_model_names_other_settings_and_picks_vanilla_grpo_as_the_baseline(tmp_path, capsys):
     """Settings were checked against each other only within a label: a baseline on another model, or at another --lr,
     gave a speed-up without a word; and the first GRPO setting passed was the baseline, DAPO's skip variant too."""
