@@ -171,6 +171,7 @@ def resolve(args, device: str, world_size: int = 1):
         raise UsageError("--vllm-sleep needs a GPU: vLLM has no sleep mode on a CPU (it frees GPU memory for the update)")
     vllm_sampler.check_vllm_flags_used(args.backend, device, [f"--{name.replace('_', '-')}" for name in VLLM_FLAGS
                                                                if getattr(args, name) != defaults[name]])
+    data.check_dataset_file(args.dataset)
     if forced:  # warnings last: a command with an error gets the error alone
         log.warning("%s on a CPU that emulates bfloat16 (no AVX-512 BF16 or AMX): steps are several times slower "
                     "than in float32, this CPU's default", " and ".join(forced))

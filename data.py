@@ -116,11 +116,17 @@ def plain_number(answer: str) -> str:
     return format(value, "f") if value.is_finite() and abs(value.adjusted()) <= MAX_NUMBER_CHARS else ""
 
 
+def check_dataset_file(dataset: str) -> None:
+    """A --dataset that names neither GSM8K nor the arithmetic task must be a file: refused before anything else is said."""
+    path = Path(dataset)
+    if dataset != GSM8K and arith_levels(dataset) is None and not path.is_file():
+        what = "is a directory, not a file" if path.is_dir() else "does not exist"
+        raise DataError(f"dataset file {path} {what}; pass a .jsonl path, '{GSM8K}' or '{ARITH}'")
+
+
 def read_jsonl(path: Path) -> list[Example]:
     try:
-        if not path.is_file():
-            what = "is a directory, not a file" if path.is_dir() else "does not exist"
-            raise DataError(f"dataset file {path} {what}; pass a .jsonl path, '{GSM8K}' or '{ARITH}'")
+        check_dataset_file(str(path))
         text = path.read_text(encoding="utf-8-sig")  # -sig: a byte-order mark
     except UnicodeDecodeError as err:
         raise DataError(f"{path} is not UTF-8 text ({err.reason} at byte {err.start}); save it as UTF-8 JSON lines") from None

@@ -65,7 +65,10 @@ def progress_bar(args, state: dict, world: distributed.World = distributed.World
 
 
 def on_a_terminal() -> bool:
-    return sys.stderr.isatty()
+    try:
+        return sys.stderr.isatty()
+    except (AttributeError, ValueError):  # no stderr (None), a closed one, or a stand-in without isatty
+        return False
 
 
 def bar_position(args, state: dict) -> float:

@@ -304,24 +304,26 @@ def test_help_gives_each_default_the_profiles_by_device(capsys):
     assert "(vLLM 0.25: its weights too, to host memory and back) [off]" in text and "launch its kernels one by one) [on]" in text  # --vllm-sleep, --cuda-graph
 
 
-def test_the_start_line_names_what_the_cpu_profile_chose_and_no_more():
+def test_the_start_line_names_what_the_cpu_profile_chose_and_no_more(tmp_path):
     """--model auto on a CPU is the embedded model; the built-in task only where --dataset left it so (a GSM8K file
     was once called the built-in task). One torchrun process is a process."""
     sampler = types.SimpleNamespace(merged=False)
     line = lambda argv, world=distributed.World(): progress.start_line(
         config.resolve(config.parse_args(train.Args, argv), "cpu"), models.EMBEDDED, sampler, Path("out"), "cpu", world)
     assert line([]).endswith("; no GPU, so the embedded model and the built-in task (--model / --dataset choose others)")
-    assert line(["--dataset", "train.jsonl"]).endswith("writing out; no GPU, so the embedded model (--model chooses another)")
+    (tmp_path / "train.jsonl").write_text("")
+    assert line(["--dataset", str(tmp_path / "train.jsonl")]).endswith("writing out; no GPU, so the embedded model (--model chooses another)")
     assert line(["--model", "m"]).endswith("writing out")
     assert " on 1 process (DDP)" in line([], distributed.World(launched=True))
     assert " on 2 processes (DDP)" in line([], distributed.World(size=2, launched=True))
     assert " generation until --steps 100 or 360 min of training, whichever is first, writing out" in line(["--time-budget", "360"])
 
 
-def test_the_cpu_profiles_completion_length_on_gsm8k_style_data_is_warned_about(caplog):
+def test_the_cpu_profiles_completion_length_on_gsm8k_style_data_is_warned_about(caplog, tmp_path):
     """The CPU profile's 32 new tokens suit arith; on GSM8K they cut off nearly every solution (a new user's run learned
     nothing, without a word). A length given, a GPU's 512 or arith: no warning."""
-    for argv, device, warned in ((["--dataset", "gsm8k"], "cpu", True), (["--dataset", "t.jsonl"], "cpu", True), ([], "cpu", False),
+    (tmp_path / "t.jsonl").write_text("")
+    for argv, device, warned in ((["--dataset", "gsm8k"], "cpu", True), (["--dataset", str(tmp_path / "t.jsonl")], "cpu", True), ([], "cpu", False),
                                  (["--dataset", "arith:3"], "cpu", False), (["--dataset", "gsm8k", "--max-new-tokens", "32"], "cpu", False),
                                  (["--dataset", "gsm8k"], "cuda", False)):
         caplog.clear()
@@ -330,6 +332,8 @@ def test_the_cpu_profiles_completion_length_on_gsm8k_style_data_is_warned_about(
     caplog.clear()
     with pytest.raises(config.UsageError, match="--m 5 must be <= --n 4"):  # a command with an error gets the error alone
         config.resolve(config.parse_args(train.Args, ["--dataset", "gsm8k", "--bf16-autocast", "--n", "4", "--m", "5"]), "cpu")
+    with pytest.raises(data.DataError, match=f"dataset file {tmp_path / 'gone.jsonl'} does not exist"):  # a walkthrough's first
+        config.resolve(config.parse_args(train.Args, ["--dataset", str(tmp_path / "gone.jsonl")]), "cpu")  # line was the warning
     assert caplog.text == ""
 
 
@@ -1686,9 +1690,12 @@ def test_refill_resumed_at_step_2_ends_as_an_uninterrupted_run(tiny_model_dir, t
     assert untimed(read_metrics(interrupted)) == untimed(rows)
 
 
-def test_a_ctrl_c_that_also_ends_the_pipe_reading_the_run_ends_it_as_a_ctrl_c(tiny_model_dir, tmp_path, monkeypatch, length_rewards):
+@pytest.mark.parametrize("shown", [True, False], ids=["bar", "log-lines"])
+def test_a_ctrl_c_that_also_ends_the_pipe_reading_the_run_ends_it_as_a_ctrl_c(tiny_model_dir, tmp_path, monkeypatch, length_rewards, shown):
     """`python train.py 2>&1 | tee log`, then Ctrl-C: tee dies of it too, and the run's next write to stderr meets a broken
-    pipe. The bar's close (train_loop's finally) raised BrokenPipeError after the checkpoint: a traceback, exit 1, not 130."""
+    pipe. The bar's close (train_loop's finally) raised BrokenPipeError after the checkpoint: a traceback, exit 1, not 130.
+    (`| tee` is not a terminal: a line per step in place of the bar; shown: as if stderr were one.)"""
+    monkeypatch.setattr(progress, "on_a_terminal", lambda: shown)
     class Pipe:  # stderr, until its reader is gone
         gone = False
 
