@@ -218,12 +218,12 @@ def evaluate(path: str, settings: Settings, out: str | None, force: bool, backen
     code = results.generation_code("vllm" if use_vllm else "hf")  # what samples: other code, another random stream
     cache = results.base_cache_file(base, key, code)
     reuse_base = not force and cache.exists() and any(t.adapter is None for t in todo)
-    log.info("%d to evaluate, %d already in %s", len(todo), len(targets) - len(todo), out_path)
     if reuse_base:
         done.append(results.read_base_cache(cache))
         todo = [t for t in todo if t.adapter is not None]
         results.write_results(out_path, key, done)
         log.info("base model: result reused from %s (--force re-evaluates it)", cache)
+    log.info("%d to evaluate, %d already in %s", len(todo), len(targets) - len(todo), out_path)
     if not todo:
         return out_path
     adapters = [t.adapter for t in targets if t.adapter is not None]
@@ -290,7 +290,7 @@ def evaluate_targets(todo: list[Target], model, sampler, adapters: list[Path], p
             partial.unlink(missing_ok=True)
         if target.adapter is None:
             results.keep(cache, json.dumps(result), "the base model's result is not cached")
-        spread = "(one repeat: no standard error)" if result["accuracy_se"] is None else f"+- {result['accuracy_se']:.3f}"
+        spread = "(one repeat: no standard error)" if result["accuracy_se"] is None else f"+- {result['accuracy_se']:.3f} (standard error)"
         log.info("%s (step %d, %.0f s): accuracy %.3f %s, format %.3f", target.name, target.step, target.elapsed_s,
                  result["accuracy"], spread, result["format_rate"])
 

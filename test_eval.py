@@ -84,7 +84,7 @@ def test_eval_reuses_the_base_model_result_across_runs(tiny_run, tmp_path, caplo
     base = json.loads((tiny_run / "eval-arith.json").read_text())["results"][0]
     with caplog.at_level("INFO", logger="pods"):
         assert evaluation.main([*argv, "--out", str(tmp_path / "again.json")]) == 0
-    assert "base model: result reused from" in caplog.text
+    assert "base model: result reused from" in caplog.text and "2 to evaluate, 1 already in" in caplog.text  # (it said 3, 0)
     again = json.loads((tmp_path / "again.json").read_text())["results"]
     assert [r["checkpoint"] for r in again] == ["base", "checkpoint-1", "checkpoint-2"] and again[0] == base
 
@@ -183,7 +183,8 @@ def test_eval_defaults_to_the_runs_generation_settings_and_redoes_retrained_chec
     caplog.clear()
     with caplog.at_level("INFO", logger="pods"):
         assert evaluation.main(argv) == 0
-    assert "1 to evaluate, 2 already in" in caplog.text
+    assert "1 to evaluate, 2 already in" in caplog.text and "checkpoint-2 (step 2, 999 s): accuracy " in caplog.text
+    assert " (standard error), format " in caplog.text  # (it said "+- 0.250" alone)
     rows = json.loads((run / "eval-arith.json").read_text())["results"]
     assert [(r["checkpoint"], r["elapsed_s"]) for r in rows][-1] == ("checkpoint-2", 999.0) and len(rows) == 3
     assert evaluation.main([str(run / "checkpoint-1"), "--dataset", "arith", "--limit", "2", "--repeats", "2"]) == 0
