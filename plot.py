@@ -447,7 +447,8 @@ def plot_training(run_dirs: list[Path], out: Path, smooth: int = 5) -> str:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    fig, axes = plt.subplots(1, len(TRAINING_PANELS), figsize=(4 * len(TRAINING_PANELS), 3.4))
+    fig, axes = plt.subplots(2, 3, figsize=(13, 7))  # (one row of six was 24 inches wide: unreadable on a screen)
+    axes = axes.flatten()
     lines = [f"{'run':<36}{'steps':>7}{'minutes':>9}{'s/step':>8}{'accuracy, first -> last 10%':>30}"]
     for number, run in enumerate(run_dirs):
         if not run.is_dir():
@@ -472,6 +473,9 @@ def plot_training(run_dirs: list[Path], out: Path, smooth: int = 5) -> str:
         first, last = (float(np.mean([r.get("accuracy", np.nan) for r in part])) for part in (rows[:tenth], rows[-tenth:]))
         lines.append(f"{label:<36}{len(rows):>7}{minutes[-1]:>9.1f}{60 * minutes[-1] / len(rows):>8.1f}{f'{first:.3f} -> {last:.3f}':>30}")
     axes[0].legend(fontsize=8)
+    for ax in axes:
+        if not ax.lines:  # a metric none of the runs logged (uniform_share, in runs older than it)
+            ax.text(0.5, 0.5, "not in these runs' metrics.jsonl", ha="center", va="center", color="gray", transform=ax.transAxes)
     fig.tight_layout()
     out.parent.mkdir(parents=True, exist_ok=True)
     fig.savefig(out, dpi=110)

@@ -1052,6 +1052,10 @@ def test_plot_train_shows_the_share_of_uniform_groups_and_leaves_out_runs_that_d
 
     assert runs_in("uniform_share") == [(tiny_run.name, "C0")]
     assert runs_in("accuracy") == [(tiny_run.name, "C0"), ("older", "C1")]
+    said = []  # the older run alone: its empty panel says why (it was an empty box)
+    monkeypatch.setattr(matplotlib.axes.Axes, "text", lambda ax, x, y, text, **kwargs: said.append((ax.get_title(), text)))
+    assert evaluation.main(["--plot-train", str(older), "--out", str(tmp_path / "older.png")]) == 0
+    assert said == [(dict(plot.TRAINING_PANELS)["uniform_share"], "not in these runs' metrics.jsonl")]
 
 
 def test_eval_of_a_model_itself_writes_its_results_in_the_current_directory(tiny_model_dir, tmp_path, monkeypatch, caplog):
