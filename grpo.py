@@ -28,7 +28,8 @@ import torch
 
 
 def group_advantages(rewards: torch.Tensor, eps: float = 1e-4) -> torch.Tensor:
-    """A_i = (r_i - mean) / (std + eps) within each group; rewards shaped [groups, m].
+    """A_i = (r_i - mean) / (std + eps) within each group; rewards shaped [groups, m] (a tensor, or nested lists or a
+    numpy array), advantages a float32 tensor of that shape.
 
     std is the sample standard deviation (torch's default, as in TRL and the authors' code),
     so m must be at least 2. A group whose rewards are all equal gets advantages exactly 0: in
@@ -36,11 +37,13 @@ def group_advantages(rewards: torch.Tensor, eps: float = 1e-4) -> torch.Tensor:
     rollout. Such a group is detected by exact comparison, every reward equal to the group's first,
     so a group that differs by any amount (one float32 step) is normalized as before.
     """
+    rewards = torch.as_tensor(rewards).float()
     if rewards.ndim != 2:
         raise ValueError(f"rewards must be shaped [groups, m], got {tuple(rewards.shape)}")
     if rewards.shape[1] < 2:
         raise ValueError(f"each group needs m >= 2 rewards for a standard deviation, got m={rewards.shape[1]}")
-    rewards = rewards.float()
+    if not torch.isfinite(rewards).all():  # NaN would make its whole group's advantages NaN, and the loss
+        raise ValueError(f"rewards must be finite, got {rewards[~torch.isfinite(rewards)].tolist()}; check the reward function")
     mean = rewards.mean(dim=1, keepdim=True)
     std = rewards.std(dim=1, keepdim=True)
     uniform = (rewards == rewards[:, :1]).all(dim=1, keepdim=True)
@@ -48,12 +51,17 @@ def group_advantages(rewards: torch.Tensor, eps: float = 1e-4) -> torch.Tensor:
 
 
 def token_logprobs(logits: torch.Tensor, token_ids: torch.Tensor) -> torch.Tensor:
-    """log pi(token_ids) under `logits`: [B, T, V] logits and [B, T] ids -> [B, T] log-probs.
+    """log pi(token_ids) under `logits`: [B, T, V] logits and [B, T] ids -> [B, T] log-probs. The logits at position t
+    must be those that predict token t: a causal language model's outputs shifted by one (logits[:, :-1] for
+    ids[:, 1:]).
 
     log softmax(x)_y = x_y - logsumexp(x), in float32 whatever the logits' dtype (in bfloat16 the
     logsumexp of a large vocabulary is off by up to ~0.05). Computed one sequence at a time, so no
-    second [B, T, V] tensor (a full log-softmax) is ever held in memory.
+    full log-softmax [B, T, V] is made; with gradient, autograd keeps each row's float32 copy for the backward
+    (bfloat16 logits cost a float32 [B, T, V] there after all; float32 ones nothing more).
     """
+    if token_ids.shape != logits.shape[:2]:  # ([1, T] ids would broadcast over the batch)
+        raise ValueError(f"token_ids must be shaped [B, T] = {tuple(logits.shape[:2])} like the logits, got {tuple(token_ids.shape)}")
     picked = logits.gather(dim=-1, index=token_ids.unsqueeze(-1)).squeeze(-1).float()
     normalizer = torch.stack([torch.logsumexp(row.float(), dim=-1) for row in logits])
     return picked - normalizer
@@ -104,6 +112,9 @@ def grpo_loss(
     if advantages.shape != logprobs.shape[:1]:  # [groups, m] would broadcast over the tokens instead
         raise ValueError(f"advantages must have one entry per completion, shape {tuple(logprobs.shape[:1])}, "
                          f"got {tuple(advantages.shape)}; flatten group_advantages' [groups, m]")
+    for name, given in (("old_logprobs", old_logprobs), ("mask", mask), ("ref_logprobs", ref_logprobs), ("token_weights", token_weights)):
+        if given is not None and given.shape != logprobs.shape:  # (it would broadcast: a [B, 1] mask weighs every token)
+            raise ValueError(f"{name} must be shaped like logprobs, {tuple(logprobs.shape)}, got {tuple(given.shape)}")
     if beta > 0 and ref_logprobs is None:
         raise ValueError(f"beta={beta} needs ref_logprobs, the reference policy's log-probs, for the KL term")
     clip_eps_high = clip_eps if clip_eps_high is None else clip_eps_high
@@ -116,7 +127,7 @@ def grpo_loss(
     clipped = torch.clamp(ratio, 1.0 - clip_eps, 1.0 + clip_eps_high) * adv
     per_token = -torch.min(unclipped, clipped)
     if token_weights is not None:
-        per_token = per_token * token_weights.to(per_token.dtype)
+        per_token = per_token * torch.where(keep, token_weights.to(per_token.dtype), 1.0)  # (NaN at padding: NaN gradients)
 
     kl = None
     if ref_logprobs is not None:

@@ -48,16 +48,22 @@ def _rewards_array(rewards) -> np.ndarray:
     return r
 
 
-def _check_m(m: int, n: int) -> int:
-    """m as a Python int, checked: an integer of any kind (numpy's, a 0-d integer tensor), not a bool (2.0 failed as
+def _whole_number(value, name: str) -> int:
+    """value as a Python int: an integer of any kind (numpy's, a 0-d integer tensor), not a bool (2.0 failed as
     an index, and True kept 1)."""
-    boolean, scalar = "bool" in str(getattr(m, "dtype", type(m))), getattr(m, "shape", ()) == ()
+    boolean, scalar = "bool" in str(getattr(value, "dtype", type(value))), getattr(value, "shape", ()) == ()
     try:
-        whole = operator.index(m) if scalar and not boolean else None
+        whole = operator.index(value) if scalar and not boolean else None
     except TypeError:  # 2.0, "2"
         whole = None
     if whole is None:
-        raise ValueError(f"m={m!r} must be a whole number")
+        raise ValueError(f"{name}={value!r} must be a whole number")
+    return whole
+
+
+def _check_m(m: int, n: int) -> int:
+    """m as a Python int (_whole_number), 1 <= m <= n."""
+    whole = _whole_number(m, "m")
     if whole < 1:
         raise ValueError(f"m={m} must be >= 1")
     if whole > n:
@@ -65,11 +71,12 @@ def _check_m(m: int, n: int) -> int:
     return whole
 
 
-def random_downsample(rewards, m: int, rng: np.random.Generator | None = None) -> list[int]:
-    """Definition 3.1, random rule: m indices drawn uniformly without replacement."""
+def random_downsample(rewards, m: int, rng: np.random.Generator | int | None = None) -> list[int]:
+    """Definition 3.1, random rule: m indices drawn uniformly without replacement, by `rng`: a numpy Generator, a seed,
+    or None for fresh entropy from the operating system (np.random.seed and torch.manual_seed do not reach it)."""
     r = _rewards_array(rewards)
     m = _check_m(m, len(r))
-    rng = np.random.default_rng() if rng is None else rng
+    rng = np.random.default_rng(rng)  # (a Generator is used as it is)
     return sorted(rng.choice(len(r), size=m, replace=False).tolist())
 
 
@@ -143,14 +150,15 @@ def downsample(
     With `group_size=n`, `rewards` holds B groups of n rewards back to back (one group per
     prompt); the rule keeps m of each group. The result lists the kept indices into the flat
     batch, group by group, ascending. Without `group_size` the whole vector is one group.
-    `rng` is used only by the random rule.
+    `rng` (a numpy Generator, a seed or None, as random_downsample takes) is used only by the random rule.
     """
     if rule not in RULES:
         raise ValueError(f"unknown rule {rule!r}; known rules: {', '.join(sorted(RULES))}")
     r = _rewards_array(rewards)
     if len(r) == 0:
         raise ValueError("rewards is empty: give each prompt's n rewards")
-    n = len(r) if group_size is None else group_size
+    n = len(r) if group_size is None else _whole_number(group_size, "group_size")
+    rng = np.random.default_rng(rng) if rule == "random" else rng  # one stream for all groups (a seed per group would repeat)
     if n < 1:
         raise ValueError(f"group_size={n} must be >= 1")
     if len(r) % n != 0:
@@ -188,8 +196,10 @@ def dynamic_sampling(informative, target: int) -> list[int]:
     far, round after round and in order (`informative`, from `informative_groups`), the first `target`
     informative ones; fewer when there are not that many yet (draw another round, or train on these).
     """
-    if target < 0:
+    if _whole_number(target, "target") < 0:
         raise ValueError(f"target={target} must be >= 0")
+    if hasattr(informative, "detach"):  # a torch tensor, perhaps on a GPU
+        informative = informative.detach().cpu().numpy()
     return np.flatnonzero(np.asarray(informative, dtype=bool))[:target].tolist()
 
 

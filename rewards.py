@@ -159,13 +159,13 @@ def extract_answer(completion: str) -> str | None:
 
 def correctness_reward(completion: str, answer: str) -> float:
     """CORRECT_REWARD if the extracted answer or the last number anywhere in the completion equals
-    `answer` as a number; 0.0 otherwise.
+    `answer` (the reference answer: text, or a number) as a number; 0.0 otherwise.
 
     Either one suffices, as in the authors' grader: "<answer>seventy-two</answer> so 72" is correct.
     The bullet rule belongs to the completion's lines only: "<answer>- 3</answer>" is -3, while
     "<answer>\\n- 3\\n</answer>" reads -3 as its answer and 3 as the completion's last number (a bullet).
     """
-    expected = normalize_number(answer, list_markers=False)  # a reference answer, not a completion: "- 5" is -5
+    expected = normalize_number(str(answer), list_markers=False)  # a reference answer, not a completion: "- 5" is -5
     found = (normalize_number(extract_answer(completion), list_markers=False), normalize_number(completion))
     return CORRECT_REWARD if expected is not None and expected in found else 0.0
 

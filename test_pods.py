@@ -156,6 +156,15 @@ def test_random_rule_is_reproducible_with_a_seeded_generator():
     assert a == b
 
 
+def test_random_rule_takes_a_seed_and_draws_each_group_from_one_stream():
+    """An int seed was an AttributeError; and no rng was fresh entropy, which np.random.seed does not reach (said now).
+    downsample turns a seed into one stream: a seed per group would keep the same positions in every group."""
+    assert pods.random_downsample(np.arange(10.0), 3, rng=7) == pods.random_downsample(np.arange(10.0), 3, rng=np.random.default_rng(7))
+    kept = pods.downsample(np.zeros(8 * 20), 4, "random", group_size=8, rng=0)
+    assert kept == pods.downsample(np.zeros(8 * 20), 4, "random", group_size=8, rng=0)
+    assert len({tuple(k % 8 for k in kept[g * 4 : g * 4 + 4]) for g in range(20)}) > 1
+
+
 def test_random_rule_draws_every_subset_of_m_equally_whatever_the_rewards():
     """Uniform without replacement: each of the 6 pairs of 4 about 1/6 of the time (a rule that kept the first m,
     or favoured the high reward, would not); 6,000 seeded draws, each count within 5 standard deviations of 1,000."""
@@ -185,6 +194,22 @@ def test_random_rule_draws_every_subset_of_m_equally_whatever_the_rewards():
          "advantages must have one entry per completion, shape (4,), got (1, 4)"),  # [groups, m] broadcast over the tokens
         (lambda: grpo.grpo_loss(torch.zeros(1, 2), torch.zeros(1, 2), torch.zeros(1), torch.ones(1, 2), beta=0.1),
          "beta=0.1 needs ref_logprobs"),  # the KL term was left out without a word
+        # a copier's wrong shapes broadcast into a wrong loss without a word (a [2, 1] mask weighed every token)
+        (lambda: grpo.grpo_loss(torch.zeros(2, 5), torch.zeros(2, 5), torch.zeros(2), torch.ones(2, 1)),
+         "mask must be shaped like logprobs, (2, 5), got (2, 1)"),
+        (lambda: grpo.grpo_loss(torch.zeros(2, 5), torch.zeros(5), torch.zeros(2), torch.ones(2, 5)),
+         "old_logprobs must be shaped like logprobs, (2, 5), got (5,)"),
+        (lambda: grpo.grpo_loss(torch.zeros(2, 5), torch.zeros(2, 5), torch.zeros(2), torch.ones(2, 5), token_weights=torch.ones(1, 5)),
+         "token_weights must be shaped like logprobs, (2, 5), got (1, 5)"),
+        (lambda: grpo.grpo_loss(torch.zeros(2, 5), torch.zeros(2, 5), torch.zeros(2), torch.ones(2, 5), ref_logprobs=torch.zeros(2, 4)),
+         "ref_logprobs must be shaped like logprobs, (2, 5), got (2, 4)"),
+        (lambda: grpo.token_logprobs(torch.zeros(3, 4, 7), torch.zeros(1, 4, dtype=torch.long)),
+         "token_ids must be shaped [B, T] = (3, 4) like the logits, got (1, 4)"),
+        (lambda: grpo.group_advantages([[1.0, float("nan"), 0.0]]), "rewards must be finite, got [nan]"),  # a NaN loss
+        (lambda: grpo.group_advantages(np.array([[1.0, float("inf")]])), "rewards must be finite, got [inf]"),
+        (lambda: pods.downsample([1.0, 2.0], 1, group_size=2.0), "group_size=2.0 must be a whole number"),  # range()'s TypeError
+        (lambda: pods.downsample([1.0, 2.0], 1, group_size=True), "group_size=True must be a whole number"),
+        (lambda: pods.dynamic_sampling([True, False], 2.0), "target=2.0 must be a whole number"),
     ],
 )
 def test_bad_input_raises_a_value_error_naming_the_values(call, message):
@@ -245,6 +270,9 @@ REWARD_TABLE = [
     ("5 - 3 = 2", "2", 1.0),
     ("The temperature is -5 degrees", "-5", 1.0),
     ("<think>...</think><answer>0.5</answer>", "1/2", FULL),
+    ("<think>...</think><answer>72</answer>", 72, FULL),  # a number for the answer: an AttributeError,
+    ("<think>...</think><answer>0</answer>", 0, FULL),  # and 0 (falsy) scored the format alone
+    ("<think>...</think><answer>0.5</answer>", 0.5, FULL),
 ]
 
 
@@ -457,6 +485,13 @@ def test_dynamic_sampling_takes_the_first_informative_groups_in_the_order_drawn(
     assert pods.dynamic_sampling(np.array(informative), 0) == [] and pods.dynamic_sampling([], 2) == []
     with pytest.raises(ValueError, match="target=-1 must be >= 0"):
         pods.dynamic_sampling(informative, -1)
+    assert pods.dynamic_sampling(torch.tensor(informative), 3) == [1, 3, 4]  # a tensor (np.asarray fails on a GPU's)
+
+
+def test_group_advantages_take_lists_and_numpy_arrays():
+    expected = grpo.group_advantages(torch.tensor([[1.0, 0.0, 0.0, 1.0]]))
+    assert torch.equal(grpo.group_advantages([[1.0, 0.0, 0.0, 1.0]]), expected)
+    assert torch.equal(grpo.group_advantages(np.array([[1.0, 0.0, 0.0, 1.0]])), expected) and expected.dtype == torch.float32
 
 
 def test_token_logprobs_matches_log_softmax():
@@ -642,6 +677,16 @@ LENIENCY_TABLE = [
 @pytest.mark.parametrize("completion, answer, correct", LENIENCY_TABLE)
 def test_reward_correctness_is_at_least_as_lenient_as_the_authors_grader(completion, answer, correct):
     assert rewards.correctness_reward(completion, answer) == (1.0 if correct else 0.0)
+
+
+def test_token_weights_at_padded_positions_let_no_nan_into_the_loss_or_gradient():
+    """Log-probs padded with -inf give weight exp(-inf - -inf) = NaN there; multiplied by the mask it was NaN still."""
+    logprobs = torch.tensor([[-1.0, -math.inf]], requires_grad=True)
+    weights = grpo.truncated_importance_weights(logprobs, logprobs.detach(), cap=2.0)
+    assert math.isnan(weights[0, 1].item())
+    loss, _ = grpo.grpo_loss(logprobs, logprobs.detach(), torch.tensor([1.0]), torch.tensor([[1, 0]]), token_weights=weights)
+    loss.backward()
+    assert loss.item() == -1.0 and torch.isfinite(logprobs.grad).all()
 
 
 def test_truncated_importance_weights_cap_the_ratio_and_one_is_no_correction():
