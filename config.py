@@ -116,6 +116,7 @@ def resolve(args, device: str, world_size: int = 1):
     if args.dataset == "auto":  # the paper's task on a GPU; offline on a CPU, the task the embedded model can learn
         filled["dataset"] = data.GSM8K if device == "cuda" else data.ARITH
     args = dataclasses.replace(args, **filled)
+    data.check_dataset_file(args.dataset)  # (before any line is logged: a command with an error gets the error alone)
     for name, value in vars(args).items():  # NaN would pass every check below; inf is a limit left off, no rate or size
         if isinstance(value, float) and (math.isnan(value) or math.isinf(value) and name not in UNBOUNDED):
             raise UsageError(f"--{name.replace('_', '-')} {value} must be a {'number' if math.isnan(value) else 'finite number'}")
@@ -171,7 +172,6 @@ def resolve(args, device: str, world_size: int = 1):
         raise UsageError("--vllm-sleep needs a GPU: vLLM has no sleep mode on a CPU (it frees GPU memory for the update)")
     vllm_sampler.check_vllm_flags_used(args.backend, device, [f"--{name.replace('_', '-')}" for name in VLLM_FLAGS
                                                                if getattr(args, name) != defaults[name]])
-    data.check_dataset_file(args.dataset)
     if forced:  # warnings last: a command with an error gets the error alone
         log.warning("%s on a CPU that emulates bfloat16 (no AVX-512 BF16 or AMX): steps are several times slower "
                     "than in float32, this CPU's default", " and ".join(forced))

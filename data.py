@@ -117,16 +117,15 @@ def plain_number(answer: str) -> str:
 
 
 def check_dataset_file(dataset: str) -> None:
-    """A --dataset that names neither GSM8K nor the arithmetic task must be a file: refused before anything else is said."""
-    path = Path(dataset)
-    if dataset != GSM8K and arith_levels(dataset) is None and not path.is_file():
-        what = "is a directory, not a file" if path.is_dir() else "does not exist"
-        raise DataError(f"dataset file {path} {what}; pass a .jsonl path, '{GSM8K}' or '{ARITH}'")
+    """A --dataset that names neither GSM8K nor the arithmetic task must be a file (train.py checks it before anything
+    else is said); the message has the path as typed ("./gsm8k", not "gsm8k")."""
+    if dataset != GSM8K and arith_levels(dataset) is None and not Path(dataset).is_file():
+        what = "is a directory, not a file" if Path(dataset).is_dir() else "does not exist"
+        raise DataError(f"dataset file {dataset} {what}; pass a .jsonl path, '{GSM8K}' or '{ARITH}'")
 
 
 def read_jsonl(path: Path) -> list[Example]:
     try:
-        check_dataset_file(str(path))
         text = path.read_text(encoding="utf-8-sig")  # -sig: a byte-order mark
     except UnicodeDecodeError as err:
         raise DataError(f"{path} is not UTF-8 text ({err.reason} at byte {err.start}); save it as UTF-8 JSON lines") from None
@@ -236,6 +235,7 @@ def load_examples(dataset: str, split: str, arith_size: int = 20_000, seed: int 
                 f"(--dataset path/to/{split}.jsonl) or the built-in task (--dataset {ARITH})"
             ) from None
         return [e for e in map(_example, rows) if e is not None]
+    check_dataset_file(dataset)
     return read_jsonl(Path(dataset))
 
 

@@ -364,6 +364,9 @@ def draw(comparison: Comparison, out: Path, frac: float = TARGET_FRAC, xlabel: s
         if hollow_end:
             ax.plot(minutes[-1:], mean[-1:], linestyle="none", marker="o", markersize=5, markerfacecolor="white", color=line.get_color())
         ax.fill_between(minutes, mean - se, mean + se, alpha=0.2)
+    if any(interpolated_at_end(comparison, label) for label in comparison.curves):
+        ax.plot([], [], linestyle="none", marker="o", markersize=5, markerfacecolor="white", color="gray",
+                label="read between evaluations at the window's end")
     peak = max(comparison.curves[comparison.baseline][1])
     ax.axhline(frac * peak, color="gray", linestyle=":", linewidth=1, label=f"target: {frac:g} x {comparison.baseline} peak")
     ax.set_xlabel(xlabel)
@@ -401,7 +404,8 @@ def speedup_table(comparison: Comparison, frac: float = TARGET_FRAC) -> list[str
             lines.append(f"{label:<36}{t / 60:>20.1f} min{speed:>10}")
     times, accuracies = comparison.curves[comparison.baseline][:2]
     read = [("the baseline's peak", comparison.baseline, times[-1] if peak not in accuracies[:-1] else None),
-            (f"{comparison.baseline}'s time", comparison.baseline, t_base), *((f"{label}'s time", label, t) for label, t in others.items())]
+            (f"{comparison.baseline}'s time to target", comparison.baseline, t_base),
+            *((f"{label}'s time to target", label, t) for label, t in others.items())]
     at_end = [what for what, label, t in read if t == comparison.horizon and interpolated_at_end(comparison, label)]
     if at_end:
         lines.append(f"(interpolated at the window's end between two evaluations of a run that went on past it, the figure's "

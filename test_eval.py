@@ -349,7 +349,7 @@ def test_plot_says_where_the_peak_or_a_first_time_is_interpolated_at_the_window_
     out = capsys.readouterr().out.splitlines()
     assert out[2].startswith("baseline GRPO n=8: peak 0.550, target 0.99 x peak = 0.544, first reached at 4.0 min")
     assert out[-2] == ("(interpolated at the window's end between two evaluations of a run that went on past it, the figure's "
-                       "hollow point: the baseline's peak, GRPO n=8's time)")  # PODS was evaluated there: not named
+                       "hollow point: the baseline's peak, GRPO n=8's time to target)")  # PODS was evaluated there: not named
     comparison = plot.compare([grpo, pods], None, None)
     assert [plot.interpolated_at_end(comparison, label) for label in comparison.curves] == [True, False]
 

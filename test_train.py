@@ -332,8 +332,12 @@ def test_the_cpu_profiles_completion_length_on_gsm8k_style_data_is_warned_about(
     caplog.clear()
     with pytest.raises(config.UsageError, match="--m 5 must be <= --n 4"):  # a command with an error gets the error alone
         config.resolve(config.parse_args(train.Args, ["--dataset", "gsm8k", "--bf16-autocast", "--n", "4", "--m", "5"]), "cpu")
-    with pytest.raises(data.DataError, match=f"dataset file {tmp_path / 'gone.jsonl'} does not exist"):  # a walkthrough's first
-        config.resolve(config.parse_args(train.Args, ["--dataset", str(tmp_path / "gone.jsonl")]), "cpu")  # line was the warning
+    with pytest.raises(data.DataError, match=f"dataset file {tmp_path / 'gone.jsonl'} does not exist"), \
+            caplog.at_level(logging.INFO, logger="pods"):  # a walkthrough's first line: a
+        config.resolve(config.parse_args(train.Args, ["--dataset", str(tmp_path / "gone.jsonl"), "--n", "16"]), "cpu")
+    assert caplog.text == ""  # warning; and --n 16 alone logs that --m 16 keeps every rollout
+    with pytest.raises(data.DataError, match=r"dataset file \./gsm8k does not exist"):  # as typed: "gsm8k" read as the built-in
+        data.load_examples("./gsm8k", "test")
     assert caplog.text == ""
 
 
@@ -352,8 +356,14 @@ def test_gsm8k_with_no_hub_fails_at_once_with_what_to_pass(monkeypatch):
 
 @pytest.fixture
 def terminal(monkeypatch):
-    """stderr taken for a terminal, where the progress bar is shown (under pytest it is a file: a line per step is logged)."""
+    """stderr taken for a terminal, where the progress bar is shown."""
     monkeypatch.setattr(progress, "on_a_terminal", lambda: True)
+
+
+@pytest.fixture
+def log_file(monkeypatch):
+    """stderr taken for a file, where a line per step is logged (under `pytest -s` in a terminal it is a terminal)."""
+    monkeypatch.setattr(progress, "on_a_terminal", lambda: False)
 
 
 @pytest.mark.parametrize("budget, state, total, position", [(5.0, {"step": 7, "elapsed_s": 90.0}, 5.0, 1.5),
@@ -368,20 +378,22 @@ def test_progress_bar_counts_minutes_under_a_time_budget_and_steps_otherwise(bud
 
 
 @pytest.mark.parametrize("budget, minutes", [(0.0, "1.5 min"), (5.0, "1.5/5 min")])
-def test_written_to_a_file_the_bar_is_a_log_line_per_step(budget, minutes, caplog):
+def test_written_to_a_file_the_bar_is_a_log_line_per_step(budget, minutes, caplog, log_file):
     """nohup or a scheduler's log: the bar's carriage returns would glue every update into one line."""
     args = config.resolve(train.Args(time_budget=budget, steps=100), "cpu")
     state = {"step": 7, "elapsed_s": 90.0}
     bar = progress.progress_bar(args, state)
+    assert bar.disable and bar.log_steps  # (before close, which disables any bar)
     row = {"reward_mean": 0.4123, "accuracy": 0.375, "generation_s": 21.04, "update_s": 6.5}
     with caplog.at_level(logging.INFO, logger="pods"):
         progress.show_progress(bar, args, state, row)
     progress.close_bar(bar)
-    assert bar.disable and caplog.messages == [f"step 7/100, {minutes}: reward 0.412, accuracy 0.375 (generation 21.0 s, update 6.5 s)"]
+    assert caplog.messages == [f"step 7/100, {minutes}: reward 0.412, accuracy 0.375 (generation 21.0 s, update 6.5 s)"]
 
 
 @pytest.mark.parametrize("signum", [signal.SIGINT, signal.SIGTERM])  # SIGTERM: what a cluster scheduler sends before its kill
-def test_ctrl_c_or_sigterm_finishes_the_step_saves_and_exits_130(tiny_model_dir, tmp_path, monkeypatch, signum, caplog, length_rewards):
+def test_ctrl_c_or_sigterm_finishes_the_step_saves_and_exits_130(tiny_model_dir, tmp_path, monkeypatch, signum, caplog, length_rewards,
+                                                                 log_file):
     interrupt_call(monkeypatch, train, "policy_update", 1, signum)  # arrives during step 1's update
     out = tmp_path / "run"
     before = signal.getsignal(signum)  # Python's default, or SIG_IGN when started in the background (nohup ... &)
