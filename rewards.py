@@ -150,7 +150,8 @@ def extract_answer(completion: str) -> str | None:
 
     None when there is neither a closed answer tag nor any number in the completion.
     """
-    tagged = _ANSWER.findall(completion)
+    closed = completion.rfind("</answer>")  # (no tag opened after it can close: searching on took time quadratic in them)
+    tagged = _ANSWER.findall(completion, 0, closed + len("</answer>")) if closed >= 0 else []
     if tagged:
         return tagged[-1].strip()
     found = _numbers(completion)

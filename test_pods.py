@@ -404,6 +404,9 @@ def test_no_text_makes_the_reward_functions_raise(completion, answer):
 def test_no_tag_soup_makes_the_reward_functions_raise(parts):
     text = "".join(parts)
     assert 0.0 <= rewards.reward(text, "12") <= FULL
+    tagged = rewards._ANSWER.findall(text)  # the answer tag read is the plain search's last (extract_answer stops the
+    if tagged:  # search at the last closing tag: unclosed ones after it cost time quadratic in their number)
+        assert rewards.extract_answer(text) == tagged[-1].strip()
 
 
 def test_group_advantages_hand_computed():
