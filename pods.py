@@ -143,7 +143,7 @@ def downsample(
     m: int,
     rule: str = "max_variance",
     group_size: int | None = None,
-    rng: np.random.Generator | None = None,
+    rng: np.random.Generator | int | None = None,
 ) -> list[int]:
     """Apply a Definition 3.1 rule to each group of a flat batch and return flat indices.
 

@@ -166,7 +166,12 @@ def correctness_reward(completion: str, answer: str) -> float:
     The bullet rule belongs to the completion's lines only: "<answer>- 3</answer>" is -3, while
     "<answer>\\n- 3\\n</answer>" reads -3 as its answer and 3 as the completion's last number (a bullet).
     """
-    expected = normalize_number(str(answer), list_markers=False)  # a reference answer, not a completion: "- 5" is -5
+    if not isinstance(answer, str):  # a number, written out: str(1e-05) is "1e-05", whose last number is 5
+        try:
+            answer = _canonical(Fraction(str(answer)))
+        except (ValueError, ZeroDivisionError):  # NaN, True, a tensor's "tensor(72)"
+            raise ValueError(f"answer must be the reference answer, as text or a number; got {answer!r}") from None
+    expected = normalize_number(answer, list_markers=False)  # a reference answer, not a completion: "- 5" is -5
     found = (normalize_number(extract_answer(completion), list_markers=False), normalize_number(completion))
     return CORRECT_REWARD if expected is not None and expected in found else 0.0
 

@@ -210,6 +210,8 @@ def test_random_rule_draws_every_subset_of_m_equally_whatever_the_rewards():
         (lambda: pods.downsample([1.0, 2.0], 1, group_size=2.0), "group_size=2.0 must be a whole number"),  # range()'s TypeError
         (lambda: pods.downsample([1.0, 2.0], 1, group_size=True), "group_size=True must be a whole number"),
         (lambda: pods.dynamic_sampling([True, False], 2.0), "target=2.0 must be a whole number"),
+        (lambda: rewards.correctness_reward("<answer>72</answer>", torch.tensor(72)),
+         "answer must be the reference answer, as text or a number; got tensor(72)"),
     ],
 )
 def test_bad_input_raises_a_value_error_naming_the_values(call, message):
@@ -273,6 +275,9 @@ REWARD_TABLE = [
     ("<think>...</think><answer>72</answer>", 72, FULL),  # a number for the answer: an AttributeError,
     ("<think>...</think><answer>0</answer>", 0, FULL),  # and 0 (falsy) scored the format alone
     ("<think>...</think><answer>0.5</answer>", 0.5, FULL),
+    ("<think>...</think><answer>0.00001</answer>", 1e-05, FULL),  # str(1e-05) is "1e-05": read as 5
+    ("<think>...</think><answer>5</answer>", 1e-05, FULL - rewards.CORRECT_REWARD),
+    ("<think>...</think><answer>10000000000000000</answer>", 1e16, FULL),
 ]
 
 
@@ -488,7 +493,8 @@ def test_dynamic_sampling_takes_the_first_informative_groups_in_the_order_drawn(
     assert pods.dynamic_sampling(np.array(informative), 0) == [] and pods.dynamic_sampling([], 2) == []
     with pytest.raises(ValueError, match="target=-1 must be >= 0"):
         pods.dynamic_sampling(informative, -1)
-    assert pods.dynamic_sampling(torch.tensor(informative), 3) == [1, 3, 4]  # a tensor (np.asarray fails on a GPU's)
+    assert pods.dynamic_sampling(torch.tensor(informative), 3) == [1, 3, 4]  # (a GPU's tensor, which np.asarray refuses, is
+    # moved to the CPU first as in _rewards_array: untested here, without a GPU)
 
 
 def test_group_advantages_take_lists_and_numpy_arrays():
