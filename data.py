@@ -119,8 +119,13 @@ def plain_number(answer: str) -> str:
 def check_dataset_file(dataset: str) -> None:
     """A --dataset that names neither GSM8K nor the arithmetic task must be a file (train.py checks it before anything
     else is said); the message has the path as typed ("./gsm8k", not "gsm8k")."""
-    if dataset != GSM8K and arith_levels(dataset) is None and not Path(dataset).is_file():
-        what = "is a directory, not a file" if Path(dataset).is_dir() else "does not exist"
+    if dataset == GSM8K or arith_levels(dataset) is not None:
+        return
+    try:
+        what = None if Path(dataset).is_file() else "is a directory, not a file" if Path(dataset).is_dir() else "does not exist"
+    except OSError as err:  # a name too long, no permission on a directory on the way
+        raise DataError(f"cannot read dataset file {dataset} ({err.strerror}); pass a .jsonl file you can read") from None
+    if what:
         raise DataError(f"dataset file {dataset} {what}; pass a .jsonl path, '{GSM8K}' or '{ARITH}'")
 
 
