@@ -247,15 +247,17 @@ def benchmark(args: train.Args, repeats: int = 2) -> list[dict]:
     steps = len(micro_batches(rollouts, args.micro_batch))  # forward/backward passes of GRPO's update
     computing = sampler.model if getattr(sampler, "merged", False) else model  # the dtype the update computes in
     arithmetic_s = {}  # GRPO's update at its matmul rate, per row and shared
-    passes = 3 if args.gradient_checkpointing else 2  # forward, backward to the inputs, and the layers' forward again
+    reference = int(args.beta > 0)  # --beta: the reference model's forward (the adapter off) in each micro-batch
+    passes = (3 if args.gradient_checkpointing else 2) + reference  # forward, backward to the inputs, the layers' forward again
     for share, row in zip(shares, rows[:2]):  # GRPO's update (m = n), per row and shared
         read, head = (float(np.mean([counts[i] for counts in update_tokens[share]])) for i in (0, 1))
-        gflop = 2 * (passes * layer_params * read + 2 * head_params * head) / 1e9
+        gflop = 2 * (passes * layer_params * read + (2 + reference) * head_params * head) / 1e9
         rows_per_pass, update_alone = round(read / steps), float(np.mean(upd_s[args.n, share]))  # (without the hand-over)
         rate = 2 * (layer_params + head_params) * rows_per_pass / matmuls_ms(computing, rows_per_pass) / 1e6  # GFLOP/s
         print(f"GRPO update, prompt {'shared' if share else 'per row'}: {gflop:.3g} GFLOP in its matrix products ({read:.0f} "
               f"positions through the layers, {head:.0f} through the LM head, padding included; forward and backward"
-              f"{', the layers recomputed' if args.gradient_checkpointing else ''}; LoRA's not counted); at the {rate:.0f} GFLOP/s "
+              f"{', the layers recomputed' if args.gradient_checkpointing else ''}{', the reference forward' if reference else ''}; "
+              f"LoRA's not counted); at the {rate:.0f} GFLOP/s "
               f"its layers reach alone at a micro-batch's shape that is {gflop / rate:.2g} s: measured {update_alone:.2g} s (without "
               f"the hand-over), "
               f"{update_alone / (gflop / rate):.1f}x its arithmetic")
@@ -385,11 +387,18 @@ def main(argv: list[str] | None = None) -> int:
         print(f"error: --out-dir {args.out_dir} is read only with --resume (its last checkpoint's adapter is timed); "
               f"add --resume, or leave --out-dir out", file=sys.stderr)
         return 2
+    from transformers.utils import logging as transformers_logging
+
+    transformers_logging.disable_progress_bar()  # "Loading weights", as in train.py: an error is its one line
     try:
         benchmark(args)
     except (config.UsageError, data.DataError, models.SetupError, checkpoint.CheckpointError) as err:
         print(f"error: {err}", file=sys.stderr)
         return 2
+    except KeyboardInterrupt:  # (the figures print at the end: none was finished)
+        print("interrupted: benchmark.py prints its figures once every phase is timed, so none was; it writes nothing",
+              file=sys.stderr)
+        return 130
     return 0
 
 

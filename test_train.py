@@ -1044,9 +1044,11 @@ def test_benchmark_runs_for_small_n_and_leaves_out_m_below_2(tiny_model_dir, cap
 
     monkeypatch.setattr(models, "computes_bfloat16", lambda device: bf16_cpu)
 
+    beta = ["--beta", "0.1"] if bf16_cpu else []  # (its reference forward was left out of the update's arithmetic)
     assert benchmark.main(["--model", str(tiny_model_dir), "--dataset", "arith", "--n", "4", "--prompts-per-step", "2",
-                       "--max-new-tokens", "4", "--lora-rank", "4", "--lr", "1e-2"]) == 0
+                       "--max-new-tokens", "4", "--lora-rank", "4", "--lr", "1e-2", *beta]) == 0
     out = capsys.readouterr().out
+    assert out.count("forward and backward, the reference forward; ") == (2 if beta else 0)
     assert "GRPO n=4" in out and "PODS n=4 m=2" in out and "m=1" not in out and "step time per completion token" in out
     gap = re.search(r"log p\| gap per completion token: mean ([0-9.]+), max ([0-9.]+)", out)
     if bf16_cpu:
@@ -1060,6 +1062,19 @@ def test_benchmark_runs_for_small_n_and_leaves_out_m_below_2(tiny_model_dir, cap
     for prompt in ("per row", "shared"):  # GRPO's update against the FLOPs of its matrix products
         update = re.search(rf"GRPO update, prompt {prompt}: ([0-9.e-]+) GFLOP .* that is ([0-9.e-]+) s: measured ([0-9.e-]+) s \(without the hand-over\), ([0-9.]+)x", out)
         assert update and float(update[1]) > 0 and float(update[3]) > 0 and float(update[4]) > 0
+
+
+def test_benchmark_ctrl_c_is_one_line_and_exit_130(monkeypatch, capsys):
+    """A Ctrl-C ended in a traceback of 20 to 116 lines (the figures print at the end: none is lost by stopping)."""
+    import benchmark
+
+    def interrupted(args):
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(benchmark, "benchmark", interrupted)
+    assert benchmark.main(["--dataset", "arith"]) == 130
+    assert capsys.readouterr().err == ("interrupted: benchmark.py prints its figures once every phase is timed, so none was; "
+                                       "it writes nothing\n")
 
 
 def test_benchmark_under_torchrun_exits_2_with_one_line(monkeypatch, capsys):
