@@ -41,6 +41,7 @@ import progress
 import sampling
 import train
 import vllm_sampler
+from decode import windowed_attention
 from update import micro_batches, policy_update, prompt_groups
 
 
@@ -166,6 +167,7 @@ def benchmark(args: train.Args, repeats: int = 2) -> list[dict]:
     sampler.update_weights(model)  # (warm_up handed the sampler its updated adapter: repeat 0 samples the policy given)
     ms = sorted({m for m in (args.n, args.n // 2, args.n // 4) if m >= 2}, reverse=True)
     shares = (False, True)
+    windowed = windowed_attention(model)  # a sliding window: the "shared" update and prefill run per row (update.py, sampling.py)
     vllm = isinstance(sampler, vllm_sampler.VLLMSampler)
     generation_shares = (True,) if vllm else shares  # vLLM: generation once, always shared
     gaps = []  # the sampler/trainer log-prob gap of each repeat's first, on-policy update
@@ -186,7 +188,7 @@ def benchmark(args: train.Args, repeats: int = 2) -> list[dict]:
             gen_s[share].append(time.perf_counter() - start)
             tokens[share].append(sum(len(r.completion_ids) for r in rollouts))
         for share in shares:
-            update_tokens[share].append(tokens_read(rollouts, share, args.micro_batch))
+            update_tokens[share].append(tokens_read(rollouts, share and not windowed, args.micro_batch))
         for m in ms:
             run = dataclasses.replace(args, m=m, rule="none" if m == args.n else args.rule)
             kept_idx = train.select(scores, run.rule, run.n, run.m, rng)
@@ -222,8 +224,9 @@ def benchmark(args: train.Args, repeats: int = 2) -> list[dict]:
                          "step_s": generation + update, "update_peak_mb": float(np.max(mem_mb[m, share]))})
     print(f"\n{model_name} ({f'the adapter of {found[-1]}' if found else 'a fresh adapter'}), {args.prompts_per_step} prompts x "
           f"n={args.n}, {args.max_new_tokens} new tokens, PODS keeping m by {args.rule}, micro-batch {args.micro_batch}, {device}, "
-          f"mean of {repeats}; update s includes handing the adapter to the sampler ({np.mean(handover_s):.2f} s), as train.py's"
-          + ("; vLLM generates once (it always shares prompts): the prompt column is the update's" if vllm else ""))
+          f"mean of {repeats} (peak memory: the larger); update s includes handing the adapter to the sampler ({np.mean(handover_s):.2f} s), as train.py's"
+          + ("; vLLM generates once (it always shares prompts): the prompt column is the update's" if vllm else "")
+          + ("; the model has a sliding window, so a shared prompt is computed per row: 'shared' times that" if windowed else ""))
     if not vllm and tokens[False] != tokens[True]:  # (a bfloat16 copy: its rounding differs between the two prefills)
         print(f"generation per row and shared drew other tokens from the same seed: {np.mean(tokens[False]):.0f} and "
               f"{np.mean(tokens[True]):.0f} completion tokens a step")

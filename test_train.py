@@ -1064,6 +1064,19 @@ def test_benchmark_runs_for_small_n_and_leaves_out_m_below_2(tiny_model_dir, cap
         assert update and float(update[1]) > 0 and float(update[3]) > 0 and float(update[4]) > 0
 
 
+def test_benchmark_of_a_sliding_window_model_counts_a_shared_prompt_as_the_rows_it_runs(tiny_windowed_dir, capsys, length_rewards):
+    """update.py and sampling.py run such a model per row (sharing would not be exact); benchmark.py labelled those
+    timings "shared" and counted the packed positions (270 against the 984 the update forwarded)."""
+    import benchmark
+
+    assert benchmark.main(["--model", str(tiny_windowed_dir), "--dataset", "arith", "--n", "4", "--prompts-per-step", "2",
+                           "--max-new-tokens", "4", "--lora-rank", "4"]) == 0
+    out = capsys.readouterr().out
+    assert "the model has a sliding window, so a shared prompt is computed per row: 'shared' times that" in out
+    positions = re.findall(r"GRPO update, prompt (per row|shared): [0-9.e-]+ GFLOP in its matrix products \((\d+) positions", out)
+    assert [p for _, p in positions] == [positions[0][1]] * 2 and len(positions) == 2
+
+
 def test_benchmark_ctrl_c_is_one_line_and_exit_130(monkeypatch, capsys):
     """A Ctrl-C ended in a traceback of 20 to 116 lines (the figures print at the end: none is lost by stopping)."""
     import benchmark
