@@ -228,10 +228,8 @@ def evaluate(path: str, settings: Settings, out: str | None, force: bool, backen
         return out_path
     adapters = [t.adapter for t in targets if t.adapter is not None]
     weights = model_weights(path, base, moved_to, base_model=not adapters)
-    from transformers import AutoConfig
-
     model_path = models.local_model_path(weights)  # (no network: the model's cached directory)
-    model_config = AutoConfig.from_pretrained(model_path)
+    model_config = models.load_config(weights, model_path)
     if adapters:  # before any weights load (adapters of one run have one shape)
         models.check_adapter_fits(adapters[0], model_config, weights, "is --model the run's model?" if moved_to else None)
     if use_vllm:  # vLLM loads the weights itself: here only the tokenizer

