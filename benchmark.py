@@ -140,20 +140,26 @@ def benchmark(args: train.Args, repeats: int = 2) -> list[dict]:
     torch.manual_seed(args.seed)
     rng = np.random.default_rng(args.seed)
     model_name = models.pick_model(args.model, device)
-    model, tokenizer = models.load_trainable_policy(model_name, device, args.lora_rank, args.lora_alpha, args.bf16_weights,
-                                                    args.gradient_checkpointing, args.bf16_autocast,
-                                                    args.max_prompt_tokens + args.max_new_tokens)
     found = checkpoint.found_in(Path(args.out_dir)) if args.resume != "no" else []
     if args.resume == "yes" and not found:
         raise config.UsageError(f"--resume: no checkpoint-STEP directory in {args.out_dir}")
     if found:  # a trained policy: the adapter of --out-dir's last checkpoint, on the model and LoRA shape it trained
         saved = Path(args.out_dir) / "config.json"
-        trained = json.loads(saved.read_text()) if saved.exists() else {}
+        try:
+            trained = json.loads(saved.read_text()) if saved.exists() else {}
+            if not isinstance(trained, dict):
+                raise ValueError("not a JSON object")
+        except (OSError, UnicodeDecodeError, ValueError) as err:  # (json's JSONDecodeError is a ValueError)
+            raise config.UsageError(f"{saved} cannot be read ({str(err).splitlines()[0][:120]}): copy the run again") from None
         if "model_resolved" in trained:
             checkpoint.check_resumed_model(Path(args.out_dir), trained["model_resolved"], model_name)
         for name in ("lora_rank", "lora_alpha"):
             if trained.get(name, getattr(args, name)) != getattr(args, name):
                 raise config.UsageError(f"--resume: {args.out_dir} trained with --{name.replace('_', '-')} {trained[name]}; pass it")
+    model, tokenizer = models.load_trainable_policy(model_name, device, args.lora_rank, args.lora_alpha, args.bf16_weights,
+                                                    args.gradient_checkpointing, args.bf16_autocast,
+                                                    args.max_prompt_tokens + args.max_new_tokens)
+    if found:
         checkpoint.load_adapter(found[-1], model)
     examples = data.load_examples(args.dataset, "train", seed=args.seed)
     stream = data.PromptStream(examples, lambda question: sampling.build_prompt(tokenizer, question), args.max_prompt_tokens, args.seed)

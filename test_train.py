@@ -1152,6 +1152,25 @@ def test_benchmark_refuses_an_out_dir_without_resume_in_one_line(tmp_path, capsy
         assert benchmark.main(["--dataset", "arith", "--out-dir", default]) == 0
 
 
+def test_benchmark_resume_checks_the_run_before_the_model_loads_and_a_damaged_config_is_one_line(tmp_path, capsys, monkeypatch):
+    """benchmark.py --resume loaded the model (a minute at 3B) before it looked in --out-dir, and a damaged config.json
+    there ended in a JSONDecodeError traceback."""
+    import benchmark
+
+    monkeypatch.setattr(models, "load_trainable_policy", lambda *a, **k: pytest.fail("the model loaded first"))
+    argv = ["--dataset", "arith", "--resume", "--out-dir", str(tmp_path)]
+    assert benchmark.main(argv) == 2
+    assert capsys.readouterr().err == f"error: --resume: no checkpoint-STEP directory in {tmp_path}\n"
+    (tmp_path / "checkpoint-1").mkdir()
+    for name in checkpoint.CHECKPOINT_FILES:
+        (tmp_path / "checkpoint-1" / name).touch()
+    for damaged in ("{bad", "[1]"):
+        (tmp_path / "config.json").write_text(damaged)
+        assert benchmark.main(argv) == 2
+        err = capsys.readouterr().err
+        assert err.startswith(f"error: {tmp_path / 'config.json'} cannot be read (") and err.endswith("): copy the run again\n")
+
+
 @pytest.mark.parametrize("share", [False, True], ids=["per-row", "shared"])
 @pytest.mark.parametrize("micro_batch", [2, 4, 16])
 def test_benchmark_counts_the_positions_an_update_forwards(tiny_model_dir, share, micro_batch):
