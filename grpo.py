@@ -118,11 +118,15 @@ def grpo_loss(
     if beta > 0 and ref_logprobs is None:
         raise ValueError(f"beta={beta} needs ref_logprobs, the reference policy's log-probs, for the KL term")
     clip_eps_high = clip_eps if clip_eps_high is None else clip_eps_high
+    # the sampling policy's and the reference's log-probs, and the weights, are constants of the objective: passing
+    # logprobs itself as old_logprobs would otherwise cancel its gradient to exactly 0 (rho = exp(logp - logp))
+    old_logprobs, ref_logprobs = old_logprobs.detach(), None if ref_logprobs is None else ref_logprobs.detach()
+    token_weights = None if token_weights is None else token_weights.detach()
     keep = mask.bool()
     mask = mask.to(logprobs.dtype)
     # rho = exp(logp - logp_old); padded positions get rho = 1 so no inf/NaN leaks through them
     ratio = torch.exp(torch.where(keep, logprobs - old_logprobs, torch.zeros_like(logprobs)))
-    adv = advantages.to(logprobs.dtype).unsqueeze(1)
+    adv = advantages.to(logprobs).unsqueeze(1)  # (logprobs' dtype and device)
     unclipped = ratio * adv
     clipped = torch.clamp(ratio, 1.0 - clip_eps, 1.0 + clip_eps_high) * adv
     per_token = -torch.min(unclipped, clipped)

@@ -106,12 +106,14 @@ def max_variance_downsample(rewards, m: int) -> list[int]:
     plus sorted[n-k:] (highest). Prefix sums of r and r^2 give each candidate's variance
     E[r^2] - E[r]^2 in O(1). Rewards are centred first, which leaves every variance unchanged
     and keeps that difference accurate, and scaled to at most 1 in size, which scales every variance
-    alike and keeps r^2 in float range (rewards of 1e200 or 1e-200 picked wrong subsets before).
+    alike and keeps r^2 in float range (rewards of 1e200 or 1e-200 picked wrong subsets before). The
+    mean is taken after an exact power-of-two scaling, where it cannot overflow (1e308 could).
     """
     r = _rewards_array(rewards)
     n = len(r)
     m = _check_m(m, n)
     order = np.argsort(r, kind="stable")  # ascending; equal rewards keep index order
+    r = np.ldexp(r, -int(np.frexp(np.abs(r).max())[1]))  # times 2^-e: at most 1 in size, the same digits
     x = r[order] - r.mean()
     x = x / max(np.abs(x).max(), np.finfo(np.float64).tiny)  # (all equal: x is all 0, and stays so)
     s1 = np.concatenate(([0.0], np.cumsum(x)))  # s1[j] = sum of the j lowest

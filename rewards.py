@@ -162,7 +162,8 @@ def correctness_reward(completion: str, answer: str) -> float:
     """CORRECT_REWARD if the extracted answer or the last number anywhere in the completion equals
     `answer` (the reference answer: text, or a number) as a number; 0.0 otherwise.
 
-    Either one suffices, as in the authors' grader: "<answer>seventy-two</answer> so 72" is correct.
+    Either one suffices, as in the authors' grader: "<answer>seventy-two</answer> so 72" is correct. So is a
+    hedge, "<answer>71</answer> or maybe 72", for 72 as for 71: a policy could learn to hedge (check its answers).
     The bullet rule belongs to the completion's lines only: "<answer>- 3</answer>" is -3, while
     "<answer>\\n- 3\\n</answer>" reads -3 as its answer and 3 as the completion's last number (a bullet).
     """

@@ -81,6 +81,7 @@ def test_max_variance_picks_the_same_subset_at_any_reward_scale():
         expected = pods.max_variance_downsample(r, m)
         assert all(pods.max_variance_downsample(r * scale, m) == expected for scale in (1e200, 1e-200, 1e-310, 1e300))
     assert pods.max_variance_downsample([1e308, -1e308, 0.0, 5.0], 2) == [0, 1]
+    assert pods.max_variance_downsample([1e308, 1e308, 0.0, 0.0], 2) == [1, 2]  # their mean overflowed: it kept [2, 3]
 
 
 def test_ties_are_broken_by_index_and_smallest_k():
@@ -532,6 +533,20 @@ def test_grpo_loss_hand_computed():
     assert stats["clip_frac"] == pytest.approx((1 / 2 + 0) / 2)
     assert stats["ratio_mean"] == pytest.approx(((1 + 2) / 2 + 1) / 2)
     assert stats["kl"] == 0.0
+
+
+def test_grpo_loss_treats_old_and_reference_logprobs_as_constants():
+    """grpo_loss(logprobs, logprobs, ...), the docstring's one-update case without .detach(), had gradient exactly 0:
+    rho = exp(logp - logp) cancelled it. Now REINFORCE's, -A_i / (B |o_i|), as with the detached copy."""
+    mask, adv = torch.tensor([[1, 1], [1, 0]]), torch.tensor([1.0, -1.0])
+    grads = []
+    for detached in (False, True):
+        logprobs = torch.tensor([[-1.0, -2.0], [-0.5, -0.5]], requires_grad=True)
+        old = logprobs.detach() if detached else logprobs
+        loss, _ = grpo.grpo_loss(logprobs, old, adv, mask, ref_logprobs=old, beta=0.1)  # (k3 at the policy itself: 0)
+        loss.backward()
+        grads.append(logprobs.grad)
+    assert torch.equal(grads[0], grads[1]) and grads[0].tolist() == [[-0.25, -0.25], [0.5, 0.0]]
 
 
 def test_grpo_loss_statistics_count_an_empty_completion_as_no_change():

@@ -107,6 +107,9 @@ def test_shared_prompt_logprobs_with_completions_shorter_than_the_prompt_or_empt
     shared, shared_mask = update.shared_prompt_logprobs(model, rollouts, 0.7, tokenizer.pad_token_id)
     assert torch.equal(mask, shared_mask) and mask[1].sum() == 0
     assert ((shared - unshared).abs() * mask).max().item() <= 1e-5
+    for logprobs in (update.completion_logprobs, update.shared_prompt_logprobs):  # a micro-batch of empty completions only
+        _, empty = logprobs(model, rollouts[1:2], 0.7, tokenizer.pad_token_id)
+        assert empty.shape == (1, 0) and empty.dtype == torch.long  # (float32 from torch.tensor([[]]), for one of them)
 
 
 @pytest.mark.parametrize("share", [False, True])

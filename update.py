@@ -66,8 +66,8 @@ def completion_logprobs(model, rollouts: list[Rollout], temperature: float, pad_
     logits = model(input_ids=ids, attention_mask=attention, position_ids=position_ids,
                    logits_to_keep=last_positions(C + 1, P + C, device), use_cache=False).logits
     logits = logits[:, :-1].float() / temperature  # position t predicts token t + 1; softmax in float32 (autocast: bf16 logits)
-    logprobs = grpo.token_logprobs(logits, torch.tensor(targets, device=device))
-    return logprobs, torch.tensor(mask, device=device)
+    logprobs = grpo.token_logprobs(logits, torch.tensor(targets, dtype=torch.long, device=device))
+    return logprobs, torch.tensor(mask, dtype=torch.long, device=device)  # (dtypes given: all completions empty is [B, 0])
 
 
 def prompt_groups(rollouts: list[Rollout]) -> list[list[int]]:
