@@ -200,6 +200,8 @@ def generation_precision(backend: str) -> str:
 def evaluate(path: str, settings: Settings, out: str | None, force: bool, backend: str,
              options: VLLMOptions = VLLMOptions(), moved_to: str | None = None) -> Path:
     base, targets, run_dir = find_targets(path)  # (results name `base`, the model the run trained: see model_weights)
+    if moved_to is not None:  # a --model that is no model is told even where nothing is left to evaluate
+        models.check_model_path(moved_to)
     if out is None:  # beside the run, or in the checkpoint, or here for a base model
         out = str((run_dir or targets[0].adapter or Path(".")) / results.results_name(settings.dataset))
     out_path = Path(out)

@@ -775,6 +775,8 @@ def test_eval_takes_the_runs_model_where_it_is_now_with_model(tiny_run, tiny_mod
     with caplog.at_level("INFO", logger="pods"):
         assert evaluation.main(argv(run)) == 0 and "0 to evaluate, 3 already" in caplog.text  # (nothing to do: no --model)
     capsys.readouterr()
+    assert evaluation.main(argv(run, "--model", str(tmp_path / "typo"))) == 2  # nothing to do, but a --model to check
+    assert error() == f"{tmp_path / 'typo'} does not exist: give a local model directory, a hub name (org/name) or 'embedded'\n"
     other = tiny_llama(embedded_dir, tmp_path / "other", hidden_size=64, heads=4, kv_heads=2)
     out = tmp_path / "e.json"
     assert evaluation.main(argv(tiny_run, "--model", str(other))) == 2
