@@ -25,6 +25,7 @@ import warnings
 from pathlib import Path
 
 import torch
+from safetensors import SafetensorError
 
 from data import hub_unreachable
 from rewards import chat_messages
@@ -65,20 +66,33 @@ def embedded_model_dir() -> Path:
     source = Path(spec.submodule_search_locations[0])
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    log.info("converting the embedded GGUF model to safetensors in %s (once, ~30 s)", target)
-    tokenizer = AutoTokenizer.from_pretrained(source, gguf_file=EMBEDDED_GGUF)
-    model = AutoModelForCausalLM.from_pretrained(source, gguf_file=EMBEDDED_GGUF, dtype=torch.float32)
-    model.hf_quantizer = None  # the weights are already de-quantized to float32
-    model.config.__dict__.pop("quantization_config", None)
+    def unwritable(err: Exception) -> SetupError:  # (a read-only or full disk, a path under a file)
+        return SetupError(f"could not write the embedded model into {CACHE_DIR} ({str(err).splitlines()[0][:120]}): make "
+                          f"room there, or set PODS_CACHE to a writable directory")
+
     tmp = target.with_name(target.name + f".tmp{os.getpid()}")
-    model.save_pretrained(tmp)
-    tokenizer.save_pretrained(tmp)
     try:
-        tmp.rename(target)
-    except OSError:  # another process (a torchrun rank) converted it first: theirs is the same
+        try:
+            tmp.mkdir(parents=True, exist_ok=True)  # before the conversion's ~20 s
+        except OSError as err:
+            raise unwritable(err) from None
+        log.info("converting the embedded GGUF model to safetensors in %s (once, ~30 s)", target)
+        tokenizer = AutoTokenizer.from_pretrained(source, gguf_file=EMBEDDED_GGUF)
+        model = AutoModelForCausalLM.from_pretrained(source, gguf_file=EMBEDDED_GGUF, dtype=torch.float32)
+        model.hf_quantizer = None  # the weights are already de-quantized to float32
+        model.config.__dict__.pop("quantization_config", None)
+        try:
+            model.save_pretrained(tmp)
+            tokenizer.save_pretrained(tmp)
+        except (OSError, SafetensorError) as err:
+            raise unwritable(err) from None
+        try:
+            tmp.rename(target)
+        except OSError:  # another process (a torchrun rank) converted it first: theirs is the same
+            if not (target / "model.safetensors").exists():
+                raise
+    finally:  # (renamed: nothing left; a failure or a Ctrl-C: its part-written files)
         shutil.rmtree(tmp, ignore_errors=True)
-        if not (target / "model.safetensors").exists():
-            raise
     return target
 
 
@@ -170,7 +184,8 @@ def load_tokenizer(path: str):
 def unloadable(model: str, err: Exception) -> SetupError:
     """The one line for a model transformers would not load: files missing (OSError), or a config.json without a
     model_type or with one this transformers does not know (ValueError)."""
-    hint = NO_HUB_HINT if isinstance(err, OSError) else "is it a model directory, and does this transformers know the model?"
+    hint = (NO_HUB_HINT if isinstance(err, OSError) else "copy its weights again" if isinstance(err, SafetensorError)
+            else "is it a model directory, and does this transformers know the model?")
     return SetupError(f"could not load model {model!r} ({str(err).splitlines()[0]}); {hint}")
 
 
@@ -191,7 +206,7 @@ def load_policy(model: str, device: str, dtype: torch.dtype):
     path = local_model_path(model)
     try:
         policy = AutoModelForCausalLM.from_pretrained(path, dtype=dtype).to(device)
-    except (OSError, ValueError) as err:
+    except (OSError, ValueError, SafetensorError) as err:  # SafetensorError: a weights file cut short (a copy interrupted)
         raise unloadable(model, err) from None
     policy.name_or_path = model  # the base a saved adapter names (peft): the name asked for, not a directory in this machine's cache
     return policy, load_tokenizer(path)

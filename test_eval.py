@@ -309,6 +309,26 @@ def test_a_directory_transformers_cannot_read_as_a_model_is_one_line_in_eval_and
                                        "transformers know the model?\n")
 
 
+def test_a_model_whose_weights_were_cut_short_or_a_cache_that_cannot_be_written_is_one_line(tiny_model_dir, tmp_path,
+                                                                                            monkeypatch, capsys):
+    """A model copy interrupted (safetensors' SafetensorError) and a PODS_CACHE that cannot be written (the embedded
+    model's first conversion: an OSError, and its .tmp directory left behind each time) ended in tracebacks."""
+    cut = tmp_path / "cut"
+    shutil.copytree(tiny_model_dir, cut)
+    with open(cut / "model.safetensors", "r+b") as weights:
+        weights.truncate(1000)
+    argv = [str(cut), "--dataset", "arith", "--limit", "2", "--backend", "hf", "--out", str(tmp_path / "r.json")]
+    assert evaluation.main(argv) == 2
+    err = capsys.readouterr().err  # (what safetensors says depends on where the file ends)
+    assert err.startswith(f"error: could not load model '{cut}' (Error while deserializing header: ") and err.endswith(
+        "); copy its weights again\n") and err.count("\n") == 1
+    (tmp_path / "file").touch()
+    monkeypatch.setattr(models, "CACHE_DIR", tmp_path / "file" / "cache")
+    with pytest.raises(models.SetupError, match=r"^could not write the embedded model into .*/file/cache \(\[Errno 20\] Not a "
+                       r"directory: .*\): make room there, or set PODS_CACHE to a writable directory$"):
+        models.embedded_model_dir()
+
+
 def test_eval_of_a_run_trained_on_a_file_asks_for_its_test_file_instead_of_scoring_arith(tmp_path, capsys):
     (tmp_path / "train.jsonl").write_text("")
     (tmp_path / "test.jsonl").write_text("")
