@@ -194,8 +194,8 @@ def check_adapted_layers(path: Path, targets) -> None:
 
 def check_adapter(path: Path) -> None:
     """Stop in one line where checkpoint `path`'s adapter cannot be read: its adapter_config.json is no JSON object, or
-    safetensors finds the weights' header or the file's length wrong (without reading the weights). (An adapter saved
-    in another format is left to its loader.)"""
+    safetensors finds the weights' header or the file's length wrong (without reading the weights), or there are no
+    weights. (An adapter saved in another format is left to its loader.)"""
     from safetensors import SafetensorError, safe_open
 
     try:
@@ -205,6 +205,8 @@ def check_adapter(path: Path) -> None:
         raise unreadable(path, "adapter_config.json", err) from None
     weights = path / "adapter_model.safetensors"
     if not os.path.lexists(weights):
+        if not os.path.lexists(path / "adapter_model.bin"):  # (peft's other format)
+            raise CheckpointError(f"{path} has no adapter weights ({weights.name}): copy the checkpoint again")
         return
     try:
         with safe_open(weights, "pt"):
@@ -394,6 +396,10 @@ def check_nothing_else_is_replaced(out_dir: Path, resuming: bool) -> None:
     for a run that starts, a checkpoint-STEP directory (another trainer's, or a run copied in part), which the save
     at that step would delete. (A resumed run replaces an incomplete checkpoint after the one it continues from: its
     own, damaged; `find` warns of it.)"""
+    if any((out_dir / name).exists() for name in CHECKPOINT_FILES):  # a run inside it would train afresh, nested in it
+        run = f": {out_dir.parent}" if (out_dir.parent / "config.json").exists() else ""
+        raise config.UsageError(f"--out-dir {out_dir} is a checkpoint, not a run's directory; pass the run's directory "
+                                f"instead (the one holding config.json and checkpoint-STEP/){run}")
     path = out_dir / "config.json"
     if path.exists():
         try:

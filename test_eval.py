@@ -199,6 +199,10 @@ def test_eval_refuses_a_checkpoint_without_its_step_and_time(tiny_run, tmp_path,
     assert evaluation.main([str(lone), "--dataset", "arith", "--limit", "2", "--out", str(tiny_run / "eval-arith.json")]) == 2
     assert capsys.readouterr().err == (f"error: {lone} has no trainer_state.json, so its step and training time are unknown; "
                                        f"copy the checkpoint again\n")
+    shutil.copy(tiny_run / "checkpoint-2" / "trainer_state.json", lone)
+    (lone / "adapter_model.safetensors").unlink()  # a FileNotFoundError's traceback as the adapter's shapes were checked
+    assert evaluation.main([str(lone), "--dataset", "arith", "--limit", "2", "--out", str(tmp_path / "r.json")]) == 2
+    assert capsys.readouterr().err == f"error: {lone} has no adapter weights (adapter_model.safetensors): copy the checkpoint again\n"
 
 
 def test_eval_refuses_results_made_with_other_settings(tiny_run, capsys):

@@ -617,6 +617,22 @@ def test_an_out_dir_that_cannot_be_a_directory_exits_2_before_the_model_loads(ma
     assert capsys.readouterr().err == f"error: --resume: --out-dir {tmp_path / 'a-file'} is a file, not a run's directory\n"
 
 
+def test_an_out_dir_that_is_a_checkpoint_exits_2_naming_its_run(tmp_path, capsys, monkeypatch):
+    """`--resume --out-dir RUN/checkpoint-2` said "no checkpoint-STEP directory in it (--resume auto starts a run ...)",
+    and --resume auto (or no --resume) then trained afresh, nested inside the checkpoint, exit 0."""
+    monkeypatch.setattr(train, "load_trainable_policy", lambda *a: pytest.fail("loaded the model first"))
+    ckpt = tmp_path / "run" / "checkpoint-2"
+    ckpt.mkdir(parents=True)
+    (ckpt / "trainer_state.json").write_text("{}")
+    for resume, run in (("no", ""), ("yes", ""), ("auto", f": {tmp_path / 'run'}")):
+        if run:  # the run's settings beside it: named
+            (tmp_path / "run" / "config.json").write_text("{}")
+        assert train.main(["--out-dir", str(ckpt), "--dataset", "arith", "--resume", resume]) == 2
+        assert capsys.readouterr().err == (f"error: --out-dir {ckpt} is a checkpoint, not a run's directory; pass the run's "
+                                           f"directory instead (the one holding config.json and checkpoint-STEP/){run}\n")
+    assert sorted(p.name for p in ckpt.iterdir()) == ["trainer_state.json"]
+
+
 def test_an_out_dir_the_file_system_will_not_look_at_exits_2_in_one_line(tmp_path, capsys, monkeypatch):
     """A name too long (as root, no permission cannot be shown): Path.exists raised OSError, a traceback with exit 1."""
     monkeypatch.setattr(train, "load_trainable_policy", lambda *a: pytest.fail("loaded the model first"))
