@@ -129,6 +129,12 @@ def check_dataset_file(dataset: str) -> None:
         raise DataError(f"dataset file {dataset} {what}; pass a .jsonl path, '{GSM8K}' or '{ARITH}'")
 
 
+def recorded(dataset: str) -> str:
+    """--dataset as a run's config.json records it: a file by its absolute path (--resume and eval.py, run from another
+    directory, read "d.jsonl" as the file there), GSM8K or the arithmetic task by name."""
+    return dataset if dataset == GSM8K or arith_levels(dataset) is not None else os.path.abspath(os.path.expanduser(dataset))
+
+
 def read_jsonl(path: Path) -> list[Example]:
     try:
         text = path.read_text(encoding="utf-8-sig")  # -sig: a byte-order mark

@@ -1814,8 +1814,13 @@ def test_resume_takes_a_dataset_or_a_model_by_another_path_to_the_same_or_a_move
                                             f"with where it is now\n")  # (it said "pass --model {model}", the path gone)
     assert train.main(tiny_args(moved, out, "--steps", "2", "--dataset", str(dataset), "--resume")) == 0
     saved = json.loads((out / "config.json").read_text())
-    assert saved["dataset"] == "./d.jsonl" and saved["model_resolved"] == str(moved)
-    assert [r["step"] for r in read_metrics(out)] == [1, 2]
+    assert saved["dataset"] == str(dataset) and saved["model_resolved"] == str(moved)  # the file's whole path: "./d.jsonl"
+    assert [r["step"] for r in read_metrics(out)] == [1, 2]  # was a dead end from another directory, and another d.jsonl there
+    (tmp_path / "elsewhere").mkdir()
+    monkeypatch.chdir(tmp_path / "elsewhere")
+    shutil.copy(dataset, "d.jsonl")
+    assert train.main(tiny_args(moved, out, "--steps", "3", "--dataset", "d.jsonl", "--resume")) == 2
+    assert f"(--dataset {dataset} -> d.jsonl)" in capsys.readouterr().err
 
 
 @pytest.mark.parametrize("ignored", [False, True], ids=["terminal", "nohup"])

@@ -324,8 +324,8 @@ def train(args: Args, world: distributed.World = distributed.World()) -> Path:
             progress.say_resumed(args, state, out_dir, changes)
             sampler.update_weights(model)
         if world.is_main and not progress.nothing_left(args, state):  # a run already there keeps its config.json (its own settings)
-            run_config = dataclasses.asdict(args) | {"model_resolved": model_name, "device": device, "torch": torch.__version__,
-                                                     "world_size": world.size}
+            run_config = dataclasses.asdict(args) | {"dataset": data.recorded(args.dataset), "model_resolved": model_name,
+                                                     "device": device, "torch": torch.__version__, "world_size": world.size}
             checkpoint.write_config(out_dir, run_config, state["step"] if resuming else None)
 
         stream = data.PromptStream(examples, lambda question: sampling.build_prompt(tokenizer, question), args.max_prompt_tokens,
