@@ -244,7 +244,7 @@ def read_rows(path: Path) -> list[dict]:
     try:
         lines = [(number, line) for number, line in enumerate(path.read_text().splitlines(), 1) if line.strip()]
     except (OSError, UnicodeDecodeError) as err:  # a directory in its place, a damaged copy
-        raise CheckpointError(f"{path} cannot be read ({str(err).splitlines()[0][:120]}): copy it again") from None
+        raise CheckpointError(f"{path} cannot be read ({str(err).splitlines()[0][:120]}): copy it again, or move it away") from None
     rows, bad = [], []
     for number, line in lines:
         row = parse_row(line)
