@@ -99,7 +99,8 @@ def grpo_loss(
 
     With one update per batch, old_logprobs = logprobs.detach(): rho = 1, nothing is clipped
     and the gradient is that of REINFORCE with the group baseline,
-    -1/m sum_i A_i 1/|o_i| sum_t grad log pi(o_it).
+    -1/B sum_i A_i 1/|o_i| sum_t grad log pi(o_it), over the B completions given: m per prompt, so the
+    mean of the prompts' J (each 1/m sum_i ...) when every prompt has its m.
 
     `token_weights` ([B, T], no gradient) multiply each token's surrogate: the truncated importance
     weights of `truncated_importance_weights` when the rollouts were sampled by another engine.
