@@ -396,9 +396,6 @@ def main(argv: list[str] | None = None) -> int:
         print(f"error: --out-dir {args.out_dir} is read only with --resume (its last checkpoint's adapter is timed); "
               f"add --resume, or leave --out-dir out", file=sys.stderr)
         return 2
-    from transformers.utils import logging as transformers_logging
-
-    transformers_logging.disable_progress_bar()  # "Loading weights", as in train.py: an error is its one line
     try:
         benchmark(args)
     except (config.UsageError, data.DataError, models.SetupError, checkpoint.CheckpointError) as err:

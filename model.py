@@ -202,7 +202,9 @@ def load_config(model: str, path: str):
 def load_policy(model: str, device: str, dtype: torch.dtype):
     """(model, tokenizer) from a hub name, a local directory or "embedded"."""
     from transformers import AutoModelForCausalLM
+    from transformers.utils import logging as transformers_logging
 
+    transformers_logging.disable_progress_bar()  # "Loading weights" at every start: carriage returns in a log, around an error
     path = local_model_path(model)
     try:
         policy = AutoModelForCausalLM.from_pretrained(path, dtype=dtype).to(device)

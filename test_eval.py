@@ -322,7 +322,11 @@ def test_a_model_whose_weights_were_cut_short_or_a_cache_that_cannot_be_written_
     with open(cut / "model.safetensors", "r+b") as weights:
         weights.truncate(1000)
     argv = [str(cut), "--dataset", "arith", "--limit", "2", "--backend", "hf", "--out", str(tmp_path / "r.json")]
+    from transformers.utils import logging as transformers_logging
+
+    transformers_logging.enable_progress_bar()
     assert evaluation.main(argv) == 2
+    assert not transformers_logging.is_progress_bar_enabled()  # "Loading weights", eval.py's too: a bar in a log file
     err = capsys.readouterr().err  # (what safetensors says depends on where the file ends)
     assert err.startswith(f"error: could not load model '{cut}' (Error while deserializing header: ") and err.endswith(
         "); copy its weights again\n") and err.count("\n") == 1

@@ -366,9 +366,6 @@ def main(argv: list[str] | None = None) -> int:
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(message)s", datefmt="%H:%M:%S")
     for noisy in ("httpx", "transformers", "huggingface_hub"):
         logging.getLogger(noisy).setLevel(logging.WARNING)
-    from transformers.utils import logging as transformers_logging
-
-    transformers_logging.disable_progress_bar()  # "Loading weights" at every start
     args = config.parse_args(Args, argv, __doc__.split("\n")[0])
     world = distributed.World()  # one process, until torchrun's environment is read
     try:
