@@ -484,9 +484,8 @@ def continues(resume: str, out_dir: Path, found: list[Path]) -> bool:
     if resume == "auto":
         if not found and (out_dir / "metrics.jsonl").is_dir():
             raise CheckpointError(f"{out_dir / 'metrics.jsonl'} is a directory, not the run's metrics: move it, or choose another --out-dir")
-        if not found and has_metrics:
+        if not found and has_metrics:  # (train.py empties its metrics.jsonl once the command has passed every check)
             log.info("--resume auto: %s has no checkpoint yet; starting afresh", out_dir)
-            (out_dir / "metrics.jsonl").unlink(missing_ok=True)
         return bool(found)
     if resume == "yes" and not found:
         if out_dir.exists() and not out_dir.is_dir():

@@ -1238,6 +1238,8 @@ def test_resume_auto_starts_a_run_continues_it_and_refuses_a_run_of_other_settin
     died_early = tmp_path / "died"  # metrics written, killed before its first checkpoint: started afresh
     died_early.mkdir()
     (died_early / "metrics.jsonl").write_text('{"step": 1}\n')
+    assert train.main(tiny_args(tiny_model_dir, died_early, "--steps", "1", "--resume", "auto", "--n", "1")) == 2
+    assert (died_early / "metrics.jsonl").read_text() == '{"step": 1}\n'  # a command refused deleted them before
     assert train.main(tiny_args(tiny_model_dir, died_early, "--steps", "1", "--resume", "auto")) == 0
     assert [r["step"] for r in read_metrics(died_early)] == [1] and "reward_mean" in read_metrics(died_early)[0]
 

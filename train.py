@@ -318,11 +318,11 @@ def train(args: Args, world: distributed.World = distributed.World()) -> Path:
             resume_from = distributed.from_main(found[-1], world)  # every rank loads the one rank 0 found
             state = checkpoint.load(resume_from, model, optimizer, scheduler, rng, world)
             checkpoint.take_optimizer_settings(optimizer, scheduler, args)
-            if world.is_main:
-                checkpoint.drop_rows_after(metrics_path, state["step"])
             log.info("resumed from %s: step %d, %.0f s of training", resume_from, state["step"], state["elapsed_s"])
             progress.say_resumed(args, state, out_dir, changes)
             sampler.update_weights(model)
+        if world.is_main:  # the rows of steps that run again go (all of them where a run died before its first checkpoint)
+            checkpoint.drop_rows_after(metrics_path, state["step"])
         if world.is_main and not progress.nothing_left(args, state):  # a run already there keeps its config.json (its own settings)
             run_config = dataclasses.asdict(args) | {"dataset": data.recorded(args.dataset), "model_resolved": model_name,
                                                      "device": device, "torch": torch.__version__, "world_size": world.size}
