@@ -164,7 +164,7 @@ def step_metrics(rounds, n, m) -> dict:
 
 def write_row(metrics_file, row: dict) -> None:
     """Append one metrics.jsonl row. A failed write (a full disk) is logged, not raised, so that the
-    step's checkpoint is still attempted; a resumed run rewrites the file up to its checkpoint."""
+    step's checkpoint is still attempted; the row is lost (a resumed run only drops rows, of the steps it runs again)."""
     try:
         metrics_file.write(checkpoint.metrics_line(row))
         metrics_file.flush()

@@ -80,7 +80,7 @@ class Args:
     weight_decay: float = arg(0.1, "AdamW weight decay")
     max_grad_norm: float = arg(0.1, "gradient clipping norm")
     max_skipped_steps: int = arg(3, "stop, saving the last good weights, after this many updates in a row with a non-finite loss or gradient")
-    warmup_ratio: float = arg(0.01, "linear warm-up over this share of the run's first --steps, then constant")
+    warmup_ratio: float = arg(0.01, "linear warm-up over this share of the run's first --steps (in updates made), then constant")
     lora_rank: int | None = arg(None, "LoRA rank on all attention and MLP projections [GPU 64, CPU 16]")
     lora_alpha: int | None = arg(None, "LoRA alpha [GPU 64, CPU 32]")
     micro_batch: int | None = arg(None, "rollouts per forward/backward pass; gradients accumulate over the kept rollouts [GPU 4, CPU 8]")
