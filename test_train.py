@@ -633,6 +633,26 @@ def test_an_out_dir_that_is_a_checkpoint_exits_2_naming_its_run(tmp_path, capsys
     assert sorted(p.name for p in ckpt.iterdir()) == ["trainer_state.json"]
 
 
+def test_a_sampler_that_fails_to_shut_down_neither_hides_the_runs_error_nor_ends_a_finished_run_in_a_traceback(
+        tiny_model_dir, tmp_path, monkeypatch, capsys, caplog, length_rewards):
+    """sampler.close() in train()'s finally: an error there replaced the one on its way out (the one line said) and
+    turned a finished run into a traceback with exit 1."""
+    def close(self):
+        raise RuntimeError("engine core died")
+
+    def train_loop(*args, **kwargs):
+        raise checkpoint.CheckpointError("disk full")
+
+    monkeypatch.setattr(sampling.HFSampler, "close", close)
+    with caplog.at_level(logging.WARNING, logger="pods"):
+        assert train.main(tiny_args(tiny_model_dir, tmp_path / "run", "--steps", "1")) == 0
+    assert "could not shut the sampler down (RuntimeError('engine core died'))" in caplog.text
+    assert [p.name for p in checkpoint.find(tmp_path / "run")] == ["checkpoint-1"]
+    monkeypatch.setattr(train, "train_loop", train_loop)
+    assert train.main(tiny_args(tiny_model_dir, tmp_path / "other", "--steps", "1")) == 1
+    assert capsys.readouterr().err.strip().splitlines()[-1] == "error: disk full"
+
+
 def test_an_out_dir_the_file_system_will_not_look_at_exits_2_in_one_line(tmp_path, capsys, monkeypatch):
     """A name too long (as root, no permission cannot be shown): Path.exists raised OSError, a traceback with exit 1."""
     monkeypatch.setattr(train, "load_trainable_policy", lambda *a: pytest.fail("loaded the model first"))

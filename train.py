@@ -336,7 +336,10 @@ def train(args: Args, world: distributed.World = distributed.World()) -> Path:
                        resumed=resuming)
         return out_dir
     finally:
-        sampler.close()  # before distributed.finish: vLLM's engine shutdown destroys the default process group
+        try:  # before distributed.finish: vLLM's engine shutdown destroys the default process group
+            sampler.close()
+        except Exception as err:  # (it would replace the error on its way out, or end a finished run in a traceback)
+            log.warning("could not shut the sampler down (%r); the run's files are written", err)
 
 
 def make_sampler(args: Args, model, tokenizer, device: str, world: distributed.World = distributed.World()):
