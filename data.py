@@ -116,10 +116,15 @@ def plain_number(answer: str) -> str:
     return format(value, "f") if value.is_finite() and abs(value.adjusted()) <= MAX_NUMBER_CHARS else ""
 
 
+def is_built_in(dataset: str) -> bool:
+    """Whether --dataset names GSM8K or the arithmetic task (anything else is a file's path)."""
+    return dataset == GSM8K or arith_levels(dataset) is not None
+
+
 def check_dataset_file(dataset: str) -> None:
     """A --dataset that names neither GSM8K nor the arithmetic task must be a file (train.py checks it before anything
     else is said); the message has the path as typed ("./gsm8k", not "gsm8k")."""
-    if dataset == GSM8K or arith_levels(dataset) is not None:
+    if is_built_in(dataset):
         return
     try:
         what = None if Path(dataset).is_file() else "is a directory, not a file" if Path(dataset).is_dir() else "does not exist"
@@ -132,7 +137,7 @@ def check_dataset_file(dataset: str) -> None:
 def recorded(dataset: str) -> str:
     """--dataset as a run's config.json records it: a file by its absolute path (--resume and eval.py, run from another
     directory, read "d.jsonl" as the file there), GSM8K or the arithmetic task by name."""
-    return dataset if dataset == GSM8K or arith_levels(dataset) is not None else os.path.abspath(os.path.expanduser(dataset))
+    return dataset if is_built_in(dataset) else os.path.abspath(os.path.expanduser(dataset))
 
 
 def read_jsonl(path: Path) -> list[Example]:

@@ -89,7 +89,7 @@ class Settings:
         and the grader's digests (results.results_key). A file is named without its folder: the digest tells whether
         two are the same test set. The precision is named only when float32: every result stored before it was
         named is bfloat16."""
-        built_in = self.dataset == data.GSM8K or data.arith_levels(self.dataset) is not None
+        built_in = data.is_built_in(self.dataset)
         key = {"dataset": self.dataset if built_in else Path(self.dataset).name, "limit": self.limit, "samples": self.samples,
                "repeats": self.repeats, "temperature": self.temperature, "max_new_tokens": self.max_new_tokens, "seed": self.seed}
         return key if self.precision == "bfloat16" else {**key, "precision": self.precision}
@@ -375,7 +375,7 @@ def default_dataset(trained: dict) -> str:
     """The test split of the task a run trained on (gsm8k or arith; `trained` is its config); arith for a base
     model. A run trained on a file: its test questions are another file, which only the user can name."""
     trained_on = trained.get("dataset") or ""
-    if trained_on == data.GSM8K or data.arith_levels(trained_on) is not None:
+    if data.is_built_in(trained_on):
         return trained_on
     if trained_on:
         beside = Path(trained_on).with_name("test.jsonl")

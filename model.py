@@ -182,8 +182,8 @@ def load_tokenizer(path: str):
 
 
 def unloadable(model: str, err: Exception) -> SetupError:
-    """The one line for a model transformers would not load: files missing (OSError), or a config.json without a
-    model_type or with one this transformers does not know (ValueError)."""
+    """The one line for a model transformers would not load: files missing (OSError), weights cut short
+    (SafetensorError), or a config.json without a model_type or with one this transformers does not know (ValueError)."""
     hint = (NO_HUB_HINT if isinstance(err, OSError) else "copy its weights again" if isinstance(err, SafetensorError)
             else "is it a model directory, and does this transformers know the model?")
     return SetupError(f"could not load model {model!r} ({str(err).splitlines()[0]}); {hint}")
