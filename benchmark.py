@@ -38,6 +38,7 @@ import grpo
 import model as models
 import pods
 import progress
+import run_dir
 import sampling
 import train
 import vllm_sampler
@@ -140,7 +141,7 @@ def benchmark(args: train.Args, repeats: int = 2) -> list[dict]:
     torch.manual_seed(args.seed)
     rng = np.random.default_rng(args.seed)
     model_name = models.pick_model(args.model, device)
-    found = checkpoint.found_in(Path(args.out_dir)) if args.resume != "no" else []
+    found = run_dir.found_in(Path(args.out_dir)) if args.resume != "no" else []
     if args.resume == "yes" and not found:
         raise config.UsageError(f"--resume: no checkpoint-STEP directory in {args.out_dir}")
     if found:  # a trained policy: the adapter of --out-dir's last checkpoint, on the model and LoRA shape it trained
@@ -152,7 +153,7 @@ def benchmark(args: train.Args, repeats: int = 2) -> list[dict]:
         except (OSError, UnicodeDecodeError, ValueError) as err:  # (json's JSONDecodeError is a ValueError)
             raise config.UsageError(f"{saved} cannot be read ({str(err).splitlines()[0][:120]}): copy the run again") from None
         if "model_resolved" in trained:
-            checkpoint.check_resumed_model(Path(args.out_dir), trained["model_resolved"], model_name)
+            run_dir.check_resumed_model(Path(args.out_dir), trained["model_resolved"], model_name)
         for name in ("lora_rank", "lora_alpha"):
             if trained.get(name, getattr(args, name)) != getattr(args, name):
                 raise config.UsageError(f"--resume: {args.out_dir} trained with --{name.replace('_', '-')} {trained[name]}; pass it")

@@ -50,6 +50,7 @@ import plot
 import progress
 import results
 import rewards
+import run_dir
 import sampling
 import vllm_sampler
 
@@ -116,7 +117,7 @@ def model_weights(path: str, trained: str, moved_to: str | None, base_model: boo
         raise EvalError(f"{trained}, the model {path} was trained from, is not there any more: pass --model with where it is now")
     if moved_to is not None and base_model:
         raise EvalError(f"--model names where a run's model is now; PATH {path} is the model evaluated: leave --model out")
-    if moved_to is not None and not models.missing_path(trained) and not checkpoint.same_path(trained, moved_to):
+    if moved_to is not None and not models.missing_path(trained) and not run_dir.same_path(trained, moved_to):
         where = "which is still there" if os.path.exists(trained) else "a model name, not a directory that has gone"
         raise EvalError(f"{path} was trained from {trained}, {where}: leave --model {moved_to} out")
     return trained if moved_to is None else models.pick_model(moved_to, "cpu")  # (its absolute path; its shape is checked)

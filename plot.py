@@ -26,6 +26,7 @@ from pathlib import Path
 import numpy as np
 
 import checkpoint
+import run_dir
 
 TARGET_FRAC = 0.99  # the authors' speed-up target: this share of the baseline's peak accuracy
 
@@ -109,7 +110,7 @@ def differing_keys(a: dict, b: dict, ignore: frozenset[str] | set[str] = frozens
 def same_setting(key: str, a, b) -> bool:
     """Equal, or for model_resolved two names of one directory: runs begun before 30 November 2026 recorded a local
     --model as typed ("m"), later ones as its absolute path."""
-    return a == b or (key == "model_resolved" and isinstance(a, str) and isinstance(b, str) and checkpoint.same_path(a, b))
+    return a == b or (key == "model_resolved" and isinstance(a, str) and isinstance(b, str) and run_dir.same_path(a, b))
 
 
 def read_json(path: Path, fix: str) -> dict:
@@ -425,7 +426,7 @@ def plot(run_dirs: list[Path], out: Path, results_file: str | None, baseline: st
 def read_metrics(run: Path) -> list[dict]:
     """A run's metrics.jsonl rows (empty when it has none)."""
     try:
-        return checkpoint.read_rows(run / "metrics.jsonl")
+        return run_dir.read_rows(run / "metrics.jsonl")
     except checkpoint.CheckpointError as err:  # (a directory in its place, a damaged copy)
         raise PlotError(str(err)) from None
 

@@ -21,6 +21,7 @@ import config
 import data
 import distributed
 import model
+import run_dir
 import vllm_sampler
 
 log = logging.getLogger("pods")
@@ -88,7 +89,7 @@ def nothing_left(args, state: dict) -> bool:
 
 def say_resumed(args, state: dict, out_dir: Path, changes: list[str]) -> None:
     """After a checkpoint is loaded: that the run is at its --steps or past its --time-budget, or else the settings it
-    trains on with that differ from the run's (checkpoint.check_resume_config's warnings)."""
+    trains on with that differ from the run's (run_dir.check_resume_config's warnings)."""
     if nothing_left(args, state):
         if budget_spent(args, state):
             reached = f"past --time-budget {args.time_budget:g}"
@@ -166,7 +167,7 @@ def write_row(metrics_file, row: dict) -> None:
     """Append one metrics.jsonl row. A failed write (a full disk) is logged, not raised, so that the
     step's checkpoint is still attempted; the row is lost (a resumed run only drops rows, of the steps it runs again)."""
     try:
-        metrics_file.write(checkpoint.metrics_line(row))
+        metrics_file.write(run_dir.metrics_line(row))
         metrics_file.flush()
     except OSError as err:
         log.warning("could not write metrics row %d (%s); training goes on", row["step"], err)

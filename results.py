@@ -28,6 +28,7 @@ import decode
 import model as models
 import plot
 import rewards
+import run_dir
 import sampling
 import vllm_sampler
 
@@ -70,7 +71,7 @@ def load_results(out: Path, settings: dict, force: bool, model: str) -> list[dic
         raise ResultsError(f"{out} holds results made with other settings (stored against asked: {changes}); "
                            f"pass --force to redo them or choose --out")
     for other in {r["model"] for r in stored["results"] if isinstance(r.get("model"), str)}:
-        if not checkpoint.same_path(other, model) and not models.missing_path(other) and not models.missing_path(model):
+        if not run_dir.same_path(other, model) and not models.missing_path(other) and not models.missing_path(model):
             raise ResultsError(f"{out} holds the results of {other}, and this evaluates {model}: choose another --out "
                                f"(or pass --force to replace them)")
     return stored["results"]
@@ -94,8 +95,8 @@ def write_results(out: Path, settings: dict, results: list[dict]) -> None:
     writer.writerow(["checkpoint", "step", "elapsed_s", "accuracy", "accuracy_se", "format_rate"])
     for r in results:
         writer.writerow([r["checkpoint"], r["step"], r["elapsed_s"], r["accuracy"], r["accuracy_se"], r["format_rate"]])
-    checkpoint.write_atomic(out.with_suffix(".csv"), table.getvalue())
-    checkpoint.write_atomic(out, json.dumps({"settings": settings, "results": results}, indent=2))  # last: the JSON decides what is done
+    run_dir.write_atomic(out.with_suffix(".csv"), table.getvalue())
+    run_dir.write_atomic(out, json.dumps({"settings": settings, "results": results}, indent=2))  # last: the JSON decides what is done
 
 
 def partial_file(out: Path) -> Path:
@@ -125,7 +126,7 @@ def keep(path: Path, text: str, refused: str) -> None:
     refuses is a warning that begins with `refused`, not the end of an evaluation."""
     try:
         path.parent.mkdir(parents=True, exist_ok=True)
-        checkpoint.write_atomic(path, text)
+        run_dir.write_atomic(path, text)
     except (OSError, checkpoint.CheckpointError) as err:
         log.warning("%s (%s): %s", refused, path, str(err).splitlines()[0])
 

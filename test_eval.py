@@ -15,7 +15,6 @@ import numpy as np
 import pytest
 import torch
 
-import checkpoint
 import data
 import decode
 import eval as evaluation  # eval.py; `eval` is a builtin name
@@ -23,6 +22,7 @@ import model as models
 import plot
 import results
 import rewards
+import run_dir
 import sampling
 import train
 import vllm_sampler
@@ -1173,7 +1173,7 @@ def test_an_interrupt_while_results_are_written_leaves_the_results_deciding_what
     out = tmp_path / "e.json"
     argv = [str(tiny_run), "--dataset", "arith", "--limit", "2", "--repeats", "1", "--max-new-tokens", "3", "--out", str(out), "--force"]
     writes = {"table": 6, "results": 7}  # base: table, results, cache; checkpoint-1: table, results; checkpoint-2: ...
-    interrupt_call(monkeypatch, checkpoint, "write_atomic", writes[written], ctrl_c)
+    interrupt_call(monkeypatch, run_dir, "write_atomic", writes[written], ctrl_c)
     assert evaluation.main(argv) == 130
     assert capsys.readouterr().err.strip().splitlines()[-1] == (f"interrupted: base, checkpoint-1 saved in {out}; run again "
                                                                 f"(without --force) for the rest")

@@ -31,6 +31,7 @@ import distributed
 import model as models
 import progress
 import rewards
+import run_dir
 import sampling
 import train
 import vllm_sampler
@@ -143,10 +144,10 @@ def test_resume_compares_the_model_as_resolved(tiny_model_dir, tmp_path, monkeyp
     saved = {"model": "embedded", "model_resolved": "embedded", "n": 4}
     (tmp_path / "config.json").write_text(json.dumps(saved))
     args = config.parse_args(train.Args, ["--n", "4"])  # --model auto
-    assert checkpoint.check_resume_config(tmp_path, args, model_name=models.pick_model("auto", "cpu")) == []
+    assert run_dir.check_resume_config(tmp_path, args, model_name=models.pick_model("auto", "cpu")) == []
     (tmp_path / "config.json").write_text(json.dumps(saved | {"model": "auto", "model_resolved": str(tiny_model_dir)}))
     args = config.parse_args(train.Args, ["--n", "4", "--model", str(tiny_model_dir)])
-    assert checkpoint.check_resume_config(tmp_path, args, model_name=str(tiny_model_dir)) == []
+    assert run_dir.check_resume_config(tmp_path, args, model_name=str(tiny_model_dir)) == []
 
 
 def test_resume_takes_the_commands_learning_rate_and_says_it_changed(tiny_model_dir, tmp_path, caplog, length_rewards):
@@ -287,12 +288,12 @@ def test_a_run_saved_with_an_unexpanded_tilde_path_resumes_and_one_in_dot_tilde_
     old.mkdir(parents=True)
     args = config.parse_args(train.Args, ["--dataset=~/d.jsonl", "--out-dir=~/x"])
     (old / "config.json").write_text(json.dumps(dataclasses.asdict(args) | {"dataset": "~/d.jsonl"}))
-    checkpoint.check_resume_config(old, args)  # no UsageError
+    run_dir.check_resume_config(old, args)  # no UsageError
     for resume in ("yes", "auto"):
         with pytest.raises(config.UsageError, match=rf"^--resume: no checkpoint in {tmp_path}/home/x, but \./~/x holds a run: "
                                                     r"before 29 Nov 2026 --out-dir=~/\.\.\. wrote there; pass --out-dir \./~/x to continue it$"):
-            checkpoint.continues(resume, Path(args.out_dir), [])
-    assert checkpoint.continues("no", Path(args.out_dir), []) is False  # a new run, as asked
+            run_dir.continues(resume, Path(args.out_dir), [])
+    assert run_dir.continues("no", Path(args.out_dir), []) is False  # a new run, as asked
 
 
 def test_help_gives_each_default_the_profiles_by_device(capsys):
@@ -631,6 +632,30 @@ def test_an_out_dir_that_is_a_checkpoint_exits_2_naming_its_run(tmp_path, capsys
         assert capsys.readouterr().err == (f"error: --out-dir {ckpt} is a checkpoint, not a run's directory; pass the run's "
                                            f"directory instead (the one holding config.json and checkpoint-STEP/){run}\n")
     assert sorted(p.name for p in ckpt.iterdir()) == ["trainer_state.json"]
+
+
+def test_a_second_train_py_on_a_run_directory_in_use_exits_2_and_a_killed_holder_leaves_no_lock(tmp_path, capsys, monkeypatch):
+    """Two train.py processes on one --out-dir (a --resume typed while the run still trains in another terminal, a job
+    queued twice) both trained, interleaving their checkpoints and metrics rows. The second now stops before the model
+    loads, naming the first; the lock goes with its holder, even one killed with SIGKILL."""
+    monkeypatch.setattr(train, "load_trainable_policy", lambda *a: pytest.fail("loaded the model"))
+    out = tmp_path / "run"
+    out.mkdir()
+    (out / "metrics.jsonl").write_text('{"step": 1, "elapsed_s": 1.0}\n')  # the other run's, which must stay
+    holder = subprocess.Popen([sys.executable, "-c", "import sys, run_dir; from pathlib import Path\n"
+                               "with run_dir.held(Path(sys.argv[1])): print('held', flush=True); sys.stdin.read()", str(out)],
+                              cwd=Path(__file__).parent, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+    try:
+        assert holder.stdout.readline() == "held\n"
+        assert train.main(["--out-dir", str(out), "--dataset", "arith", "--resume", "auto"]) == 2
+        assert capsys.readouterr().err == (f"error: --out-dir {out} is in use by another train.py (process {holder.pid}): let it "
+                                           f"finish, or stop it (Ctrl-C saves a checkpoint) and --resume; or choose another --out-dir\n")
+        assert (out / "metrics.jsonl").read_text() == '{"step": 1, "elapsed_s": 1.0}\n'
+    finally:
+        holder.kill()
+        holder.wait()
+    with run_dir.held(out):
+        assert (out / ".lock").read_text() == f"{os.getpid()}\n"
 
 
 def test_a_sampler_that_fails_to_shut_down_neither_hides_the_runs_error_nor_ends_a_finished_run_in_a_traceback(
@@ -1142,10 +1167,10 @@ def test_metrics_rows_leave_out_a_last_line_cut_short_and_name_any_other_line_th
     rows = [{"step": 1, "elapsed_s": 1.0}, {"step": 2, "elapsed_s": 2.0}]
     path.write_text("".join(json.dumps(r) + "\n" for r in rows) + "\n" + '{"step": 3, "ela\n\n')
     with caplog.at_level(logging.WARNING, logger="pods"):
-        assert checkpoint.read_rows(path) == rows and caplog.text == ""
+        assert run_dir.read_rows(path) == rows and caplog.text == ""
         for bad in ("garbage", "[1, 2]", '{"step": 2}', '{"step": "x", "elapsed_s": 1}'):  # the last: a TypeError on resume
             path.write_text(json.dumps(rows[0]) + "\n" + bad + "\n" + json.dumps(rows[1]) + "\n")
-            checkpoint.drop_rows_after(path, 1)
+            run_dir.drop_rows_after(path, 1)
             assert path.read_text() == json.dumps(rows[0]) + "\n"
     assert caplog.text.count("left out 1 line(s) that are not metrics rows (JSON with step and elapsed_s), first at line 2") == 4
 
@@ -1154,9 +1179,9 @@ def test_metrics_rows_are_strict_json_and_a_nan_written_by_older_code_is_rewritt
     """A skipped update's loss was written as Python's NaN, which jq and JavaScript refuse; it is null now."""
     path = tmp_path / "metrics.jsonl"
     path.write_text('{"step": 1, "elapsed_s": 1.0, "loss": NaN, "grad_norm": Infinity, "skipped": 1}\n{"step": 2, "elapsed_s": 2.0}\n')
-    checkpoint.drop_rows_after(path, 1)
+    run_dir.drop_rows_after(path, 1)
     assert path.read_text() == '{"step": 1, "elapsed_s": 1.0, "loss": null, "grad_norm": null, "skipped": 1}\n'
-    assert checkpoint.metrics_line({"step": 2, "loss": float("-inf"), "kl": 0.5}) == '{"step": 2, "loss": null, "kl": 0.5}\n'
+    assert run_dir.metrics_line({"step": 2, "loss": float("-inf"), "kl": 0.5}) == '{"step": 2, "loss": null, "kl": 0.5}\n'
 
 
 @pytest.mark.parametrize("flag", [["--m", "8"], ["--steps=3"], ["--uniform-groups", "skip"], ["--time-budget", "bogus"]])
@@ -1400,14 +1425,14 @@ def test_write_atomic_leaves_the_old_file_whole_when_the_write_fails(tmp_path):
     path = tmp_path / "metrics.jsonl"
     path.write_text("old\n")
     with pytest.raises(UnicodeEncodeError):
-        checkpoint.write_atomic(path, "new \udc80")  # not encodable: the write fails after the file was opened
+        run_dir.write_atomic(path, "new \udc80")  # not encodable: the write fails after the file was opened
     assert path.read_text() == "old\n" and list(tmp_path.iterdir()) == [path]
     path.chmod(0o640)
-    checkpoint.write_atomic(path, "new\n")
+    run_dir.write_atomic(path, "new\n")
     assert path.read_text() == "new\n" and list(tmp_path.iterdir()) == [path] and path.stat().st_mode & 0o777 == 0o640
     with pytest.raises(checkpoint.CheckpointError, match=rf"^could not write {path}/x \(Not a directory\); free space or make it "
                                                          r"writable, then run again$"):  # an OSError (a full disk too): one line
-        checkpoint.write_atomic(path / "x", "new\n")
+        run_dir.write_atomic(path / "x", "new\n")
 
 
 def test_a_directory_in_the_place_of_metrics_under_resume_auto_stops_in_one_line(tmp_path, capsys):
@@ -1863,7 +1888,7 @@ def test_resuming_a_run_saved_with_a_clip_eps_now_refused_gives_no_advice_to_pas
     to keep them", and passing --clip-eps 0.3 is refused (it has no effect)."""
     args = config.resolve(train.Args(), "cpu")
     (tmp_path / "config.json").write_text(json.dumps(dataclasses.asdict(args) | {"clip_eps": 0.3, "clip_eps_high": 0.28}))
-    assert checkpoint.check_resume_config(tmp_path, args) == []
+    assert run_dir.check_resume_config(tmp_path, args) == []
     with pytest.raises(config.UsageError, match="has no effect"):
         config.resolve(train.Args(clip_eps=0.3), "cpu")
 
@@ -1873,6 +1898,6 @@ def test_a_moved_model_given_relative_without_a_leading_dot_is_a_moved_model(tmp
     to pass the path that is gone."""
     monkeypatch.chdir(tmp_path)
     (tmp_path / "new" / "qwen").mkdir(parents=True)
-    checkpoint.check_resumed_model(tmp_path / "run", "runs/models/qwen", "new/qwen")  # a warning, not a refusal
+    run_dir.check_resumed_model(tmp_path / "run", "runs/models/qwen", "new/qwen")  # a warning, not a refusal
     with pytest.raises(config.UsageError, match="pass --model org/qwen"):
-        checkpoint.check_resumed_model(tmp_path / "run", "org/qwen", "new/qwen")  # a hub name: not a moved directory
+        run_dir.check_resumed_model(tmp_path / "run", "org/qwen", "new/qwen")  # a hub name: not a moved directory

@@ -8,8 +8,8 @@ Algorithm 1 of the paper, one iteration per step (`train_loop`, numbered as here
     5. advantages from the kept rewards only         (grpo.py: group_advantages)
     6. one clipped policy-gradient step on the kept rollouts, in micro-batches (update.py, grpo.py: grpo_loss)
     7. hand the new LoRA adapter to the sampler
-Around it: the flags and their profiles (config.py), the model and LoRA (model.py), checkpoints and
---resume (checkpoint.py), the metrics, progress bar and Ctrl-C (progress.py), torchrun (distributed.py).
+Around it: the flags and their profiles (config.py), the model and LoRA (model.py), checkpoints (checkpoint.py), the
+run's directory and --resume (run_dir.py), metrics, progress bar and Ctrl-C (progress.py), torchrun (distributed.py).
 
 Usage:
     python train.py --n 32 --m 16                              # GPU: Qwen2.5-3B-Instruct, GSM8K, vLLM;
@@ -46,6 +46,7 @@ import distributed
 import grpo
 import pods
 import progress
+import run_dir
 import sampling
 import vllm_sampler
 from model import GPU_MODEL, SetupError, load_trainable_policy, pick_model
@@ -287,59 +288,58 @@ def train(args: Args, world: distributed.World = distributed.World()) -> Path:
     """A training run in this process; under torchrun, this rank's part of it (`world`)."""
     device = "cuda" if torch.cuda.is_available() else "cpu"
     out_dir = Path(args.out_dir)
-    found = checkpoint.found_in(out_dir)
-    resuming = checkpoint.continues(args.resume, out_dir, found)
-    args = config.resolve(checkpoint.run_length(args, out_dir, found[-1]) if resuming else args, device, world.size)
+    found = run_dir.found_in(out_dir)
+    resuming = run_dir.continues(args.resume, out_dir, found)
+    args = config.resolve(run_dir.run_length(args, out_dir, found[-1]) if resuming else args, device, world.size)
     model_name = pick_model(args.model, device)  # here, before --out-dir is made (and --out-dir before the model loads)
     if resuming:
-        changes = checkpoint.check_resume_config(out_dir, args, world.size, found[-1], model_name)  # warnings, if it trains on
+        changes = run_dir.check_resume_config(out_dir, args, world.size, found[-1], model_name)  # warnings, if it trains on
     config.check_torchrun(device, world)
     examples = data.load_examples(args.dataset, "train", seed=args.seed)  # a missing dataset stops the run
-    checkpoint.make_out_dir(out_dir)
-    distributed.start(world)  # torchrun: meet the other ranks (every rank has passed the checks above)
-    distributed.barrier(world)  # ... before rank 0 writes anything into out_dir
-    torch.manual_seed(args.seed)  # the LoRA initialisation, the same on every rank
+    run_dir.make_out_dir(out_dir)
+    with run_dir.held(out_dir, world.is_main):  # a second train.py on --out-dir stops here, before it writes
+        distributed.start(world)  # torchrun: meet the other ranks (every rank has passed the checks above)
+        distributed.barrier(world)  # ... before rank 0 writes anything into out_dir
+        torch.manual_seed(args.seed)  # the LoRA initialisation, the same on every rank
+        model, tokenizer = load_trainable_policy(model_name, device, args.lora_rank, args.lora_alpha, args.bf16_weights,
+                                                 args.gradient_checkpointing, args.bf16_autocast, args.max_prompt_tokens + args.max_new_tokens)
+        sampler = make_sampler(args, model, tokenizer, device, world)
+        try:
+            log.info("%s", progress.start_line(args, model_name, sampler, out_dir, device, world))
+            torch.manual_seed(args.seed + world.rank)  # again (an in-process vLLM engine seeds this process's generators
+            rng = np.random.default_rng(args.seed + world.rank)  # when it starts); each rank samples its own rollouts
+            optimizer = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=args.lr,
+                                          betas=(args.adam_beta1, args.adam_beta2), weight_decay=args.weight_decay)
+            state = {"step": 0, "elapsed_s": 0.0, "data_position": 0, "first_steps": args.steps}  # resumed: the checkpoint's
+            warmup = lambda: max(1, math.ceil(args.warmup_ratio * state.get("first_steps", args.steps)))  # the run's first --steps':
+            scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: min(1.0, (s + 1) / warmup()))  # more keep its length
 
-    model, tokenizer = load_trainable_policy(model_name, device, args.lora_rank, args.lora_alpha, args.bf16_weights,
-                                             args.gradient_checkpointing, args.bf16_autocast, args.max_prompt_tokens + args.max_new_tokens)
-    sampler = make_sampler(args, model, tokenizer, device, world)
-    try:
-        log.info("%s", progress.start_line(args, model_name, sampler, out_dir, device, world))
-        torch.manual_seed(args.seed + world.rank)  # again (an in-process vLLM engine seeds this process's generators
-        rng = np.random.default_rng(args.seed + world.rank)  # when it starts); each rank samples its own rollouts
-        optimizer = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=args.lr,
-                                      betas=(args.adam_beta1, args.adam_beta2), weight_decay=args.weight_decay)
-        state = {"step": 0, "elapsed_s": 0.0, "data_position": 0, "first_steps": args.steps}  # resumed: the checkpoint's
-        warmup = lambda: max(1, math.ceil(args.warmup_ratio * state.get("first_steps", args.steps)))  # the run's first --steps':
-        scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: min(1.0, (s + 1) / warmup()))  # more keep its length
-
-        metrics_path = out_dir / "metrics.jsonl"
-        if resuming:
-            resume_from = distributed.from_main(found[-1], world)  # every rank loads the one rank 0 found
-            state = checkpoint.load(resume_from, model, optimizer, scheduler, rng, world)
-            checkpoint.take_optimizer_settings(optimizer, scheduler, args)
-            log.info("resumed from %s: step %d, %.0f s of training", resume_from, state["step"], state["elapsed_s"])
-            progress.say_resumed(args, state, out_dir, changes)
-            sampler.update_weights(model)
-        if world.is_main:  # the rows of steps that run again go (all of them where a run died before its first checkpoint)
-            checkpoint.drop_rows_after(metrics_path, state["step"])
-        if world.is_main and not progress.nothing_left(args, state):  # a run already there keeps its config.json (its own settings)
-            run_config = dataclasses.asdict(args) | {"dataset": data.recorded(args.dataset), "model_resolved": model_name,
-                                                     "device": device, "torch": torch.__version__, "world_size": world.size}
-            checkpoint.write_config(out_dir, run_config, state["step"] if resuming else None)
-
-        stream = data.PromptStream(examples, lambda question: sampling.build_prompt(tokenizer, question), args.max_prompt_tokens,
-                                   args.seed, state["data_position"])
-        model = distributed.wrap(model, world)  # torchrun: DDP; the sampler keeps the PEFT model it was given
-        with logging_redirect_tqdm():  # log lines print above the progress bar, not on its line
-            train_loop(args, model, tokenizer, optimizer, scheduler, sampler, stream, state, rng, out_dir, metrics_path, world,
-                       resumed=resuming)
-        return out_dir
-    finally:
-        try:  # before distributed.finish: vLLM's engine shutdown destroys the default process group
-            sampler.close()
-        except Exception as err:  # (it would replace the error on its way out, or end a finished run in a traceback)
-            log.warning("could not shut the sampler down (%r); the run's files are written", err)
+            metrics_path = out_dir / "metrics.jsonl"
+            if resuming:
+                resume_from = distributed.from_main(found[-1], world)  # every rank loads the one rank 0 found
+                state = checkpoint.load(resume_from, model, optimizer, scheduler, rng, world)
+                run_dir.take_optimizer_settings(optimizer, scheduler, args)
+                log.info("resumed from %s: step %d, %.0f s of training", resume_from, state["step"], state["elapsed_s"])
+                progress.say_resumed(args, state, out_dir, changes)
+                sampler.update_weights(model)
+            if world.is_main:  # the rows of steps that run again go (all of them where a run died before its first checkpoint)
+                run_dir.drop_rows_after(metrics_path, state["step"])
+            if world.is_main and not progress.nothing_left(args, state):  # a run already there keeps its config.json (its own settings)
+                run_config = dataclasses.asdict(args) | {"dataset": data.recorded(args.dataset), "model_resolved": model_name,
+                                                         "device": device, "torch": torch.__version__, "world_size": world.size}
+                run_dir.write_config(out_dir, run_config, state["step"] if resuming else None)
+            stream = data.PromptStream(examples, lambda question: sampling.build_prompt(tokenizer, question), args.max_prompt_tokens,
+                                       args.seed, state["data_position"])
+            model = distributed.wrap(model, world)  # torchrun: DDP; the sampler keeps the PEFT model it was given
+            with logging_redirect_tqdm():  # log lines print above the progress bar, not on its line
+                train_loop(args, model, tokenizer, optimizer, scheduler, sampler, stream, state, rng, out_dir, metrics_path, world,
+                           resumed=resuming)
+            return out_dir
+        finally:
+            try:  # before distributed.finish: vLLM's engine shutdown destroys the default process group
+                sampler.close()
+            except Exception as err:  # (it would replace the error on its way out, or end a finished run in a traceback)
+                log.warning("could not shut the sampler down (%r); the run's files are written", err)
 
 
 def make_sampler(args: Args, model, tokenizer, device: str, world: distributed.World = distributed.World()):

@@ -92,6 +92,7 @@ def replay(kept: Path, out_dir: Path) -> Path:
     and writing its checkpoints with the record's clock; see the module docstring."""
     import checkpoint
     import progress
+    import run_dir
     import train
     from config import parse_args
 
@@ -99,7 +100,7 @@ def replay(kept: Path, out_dir: Path) -> Path:
     if not config_path.is_file() or not metrics_path.is_file():
         raise ReplayError(f"{kept} has no config.json and metrics.jsonl: give a recorded run's directory")
     try:
-        config, rows = json.loads(config_path.read_text()), checkpoint.read_rows(metrics_path)
+        config, rows = json.loads(config_path.read_text()), run_dir.read_rows(metrics_path)
     except checkpoint.CheckpointError as err:  # its metrics.jsonl cannot be read
         raise ReplayError(str(err)) from None
     if not rows or [r["step"] for r in rows] != list(range(1, len(rows) + 1)):
