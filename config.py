@@ -109,8 +109,8 @@ def path_arg(text: str) -> str:
 
 
 def resolve(args, device: str, world_size: int = 1):
-    """Fill the None fields from the device's profile and check the combination (and that the
-    prompts of a step divide among `world_size` processes)."""
+    """Fill the None fields from the device's profile and --backend auto with the backend it picks, and check the
+    combination (and that the prompts of a step divide among `world_size` processes)."""
     filled = {k: v for k, v in profile(device).items() if getattr(args, k) is None}
     forced = [flag_text(k, True) for k in BFLOAT16_FLAGS if getattr(args, k) and not model.computes_bfloat16(device)]
     if args.dataset == "auto":  # the paper's task on a GPU; offline on a CPU, the task the embedded model can learn
@@ -178,7 +178,7 @@ def resolve(args, device: str, world_size: int = 1):
     if "max_new_tokens" in filled and device == "cpu" and data.arith_levels(args.dataset) is None:
         log.warning("--max-new-tokens %d, the CPU profile's (sized for arith), cuts most GSM8K-style solutions off before "
                     "their answer: pass --max-new-tokens 256 or more (the authors': 512)", args.max_new_tokens)
-    return args
+    return dataclasses.replace(args, backend="vllm" if vllm else "hf")  # auto as it resolved: config.json records the one used
 
 
 def check_optimizer_flags(args) -> None:

@@ -210,7 +210,7 @@ def out_of_memory_line(out_dir: Path) -> str:
     except (OSError, ValueError):
         ran = {}
     switches = [] if ran.get("gradient_checkpointing") else ["--gradient-checkpointing"]
-    if ran.get("device") == "cuda" and not ran.get("vllm_sleep") and vllm_sampler.uses_vllm(ran.get("backend", "auto"), "cuda"):
+    if ran.get("device") == "cuda" and not ran.get("vllm_sleep") and ran.get("backend") == "vllm":  # (as resolved)
         switches.append("--vllm-sleep")  # vLLM's KV cache freed during the update
     switch = f" or pass {' or '.join(switches)}" if switches else ""
     return f"error: out of memory; lower --micro-batch (or --n, --prompts-per-step, --max-new-tokens){switch}, then {again}"

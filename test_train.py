@@ -601,7 +601,8 @@ def test_a_hub_model_in_the_local_cache_trains_with_the_hub_unreachable(tiny_mod
     ask = file_download.get_hf_file_metadata
     monkeypatch.setattr(file_download, "get_hf_file_metadata", lambda url, *a, **k: asked.append(url) or ask(url, *a, **k))
     assert train.main(tiny_args("pods-test/tiny", tmp_path / "run", "--steps", "1")) == 0
-    assert json.loads((tmp_path / "run" / "config.json").read_text())["model_resolved"] == "pods-test/tiny"
+    recorded = json.loads((tmp_path / "run" / "config.json").read_text())
+    assert (recorded["model_resolved"], recorded["backend"]) == ("pods-test/tiny", "hf")  # --backend auto, as it resolved
     adapter = json.loads((tmp_path / "run" / "checkpoint-1" / "adapter_config.json").read_text())
     assert adapter["base_model_name_or_path"] == "pods-test/tiny"
     assert probes == [1] and asked == []
@@ -867,6 +868,7 @@ def test_resolve_on_a_gpu_gives_the_authors_single_gpu_configuration():
     cpu = config.resolve(train.Args(), "cpu")
     assert not cpu.gradient_checkpointing and not cpu.bf16_weights and cpu.share_prompt and cpu.dataset == "arith"
     assert cpu.bf16_autocast is models.computes_bfloat16("cpu") and cpu.merged_sampler  # float32 where bfloat16 is emulated
+    assert (args.backend, cpu.backend) == ("vllm" if vllm_sampler.vllm_available() else "hf", "hf")  # auto, as config.json records it
 
 
 def test_an_infinite_clip_or_cap_is_no_limit_and_accepted():
@@ -1624,9 +1626,8 @@ def test_out_of_memory_in_the_update_ends_with_one_line_and_the_run_continues_as
 
 def test_the_out_of_memory_line_offers_only_the_switches_the_run_had_off(tmp_path, monkeypatch):
     """It said "or pass --gradient-checkpointing" on a GPU, where the profile has it on, and never named --vllm-sleep."""
-    monkeypatch.setattr(vllm_sampler, "vllm_available", lambda: True)
     advice = f"then run the same command with --resume auto (no checkpoint was saved in {tmp_path})"
-    for ran, switch in (({"device": "cuda", "backend": "auto", "gradient_checkpointing": True, "vllm_sleep": False}, " or pass --vllm-sleep"),
+    for ran, switch in (({"device": "cuda", "backend": "vllm", "gradient_checkpointing": True, "vllm_sleep": False}, " or pass --vllm-sleep"),
                         ({"device": "cuda", "backend": "hf", "gradient_checkpointing": True}, ""),
                         ({"device": "cuda", "backend": "vllm", "gradient_checkpointing": True, "vllm_sleep": True}, ""),
                         ({"device": "cpu", "backend": "vllm", "gradient_checkpointing": False}, " or pass --gradient-checkpointing")):
