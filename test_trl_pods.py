@@ -6,6 +6,7 @@ TRL is optional (pip install -r requirements-trl.txt): without it every test her
 
 from __future__ import annotations
 
+import importlib
 import json
 import os
 from collections import Counter, defaultdict
@@ -144,6 +145,17 @@ def test_check_config_accepts_whole_groups_that_split_evenly(trl_pods, tmp_path)
                                       gradient_accumulation_steps=16), 4, "random")  # a group spans 4 micro-batches
 
 
+def test_another_trl_version_is_warned_of_at_import(trl_pods, monkeypatch):
+    """Its methods' signatures are checked (check_trl), not what they do: a TRL of the same signatures trained silently."""
+    monkeypatch.setattr(trl_pods.trl, "__version__", "9.9.9")
+    try:
+        with pytest.warns(UserWarning, match=r"^trl_pods was tested with trl 1\.16\.0; this is trl 9\.9\.9, whose GRPOTrainer"):
+            importlib.reload(trl_pods)
+    finally:
+        monkeypatch.undo()
+        importlib.reload(trl_pods)
+
+
 def test_check_trl_fails_with_one_line_naming_the_tested_version(trl_pods):
     class Renamed(trl_pods.GRPOTrainer):
         _calculate_rewards = None  # as if a newer TRL had renamed it
@@ -164,6 +176,20 @@ def test_check_trl_fails_with_one_line_naming_the_tested_version(trl_pods):
 def test_a_bad_setting_fails_before_the_model_loads(trl_pods, tmp_path):
     with pytest.raises(ValueError, match="^m=1 must be between 2"):  # not the hub error an unknown model would give
         trl_pods.PODSGRPOTrainer(model=str(tmp_path / "no-such-model"), reward_funcs=[trl_pods.task_reward], args=grpo_config(tmp_path), m=1)
+    for m, rule, message in ((1, "max_variance", "^m=1 must be at least 2"), (4, "max-variance", "^rule='max-variance' is not"),
+                             (4.0, "random", "^m=4.0 must be a whole number")):  # without a config: TRL's default came first
+        with pytest.raises(ValueError, match=message):  # (its error about this machine's bf16, or the model loaded, first)
+            trl_pods.PODSGRPOTrainer(model=str(tmp_path / "no-such-model"), reward_funcs=[trl_pods.task_reward], m=m, rule=rule)
+
+
+@pytest.mark.parametrize("kwargs, message", [({"split": "validation"}, "^split='validation' must be 'train' or 'test'"),
+                                             ({"count": -1}, "^count=-1 must be a whole number >= 1"),
+                                             ({"count": 0}, "^count=0 must be"), ({"count": 2.5}, "^count=2.5 must be")])
+def test_task_dataset_refuses_a_split_it_does_not_have_and_a_count_that_is_no_number_of_rows(trl_pods, kwargs, message):
+    """split="validation" returned the built-in task's training problems, and count=-1 all rows but the last."""
+    with pytest.raises(ValueError, match=message):
+        trl_pods.task_dataset("arith", **kwargs)
+    assert len(trl_pods.task_dataset("arith", "test", count=3)) == 3
 
 
 def test_the_random_rule_draws_the_same_rows_after_a_resume(trl_pods, tiny_model_dir, tmp_path, monkeypatch):

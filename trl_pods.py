@@ -14,8 +14,8 @@ advantages from the kept rewards (`grpo.group_advantages`), and hands TRL's loss
 Tested with trl 1.16.0 (requirements-trl.txt). The trainer needs `pods` and `grpo` of this project;
 `task_dataset` and `task_reward`, train.py's task for it, also `data` and `rewards`. Importing it with a
 TRL whose overridden methods have other signatures fails with one line saying so (check_trl; a TRL that
-changed what they do, or what the batch holds, under the same signatures is not caught there: a batch key
-it does not know stops the first step).
+changed what they do, or what the batch holds, under the same signatures is not caught there: another version
+is warned of at import, and a batch key it does not know stops the first step).
 
 What it overrides in GRPOTrainer, and why:
 - `_calculate_rewards`: calls TRL's and keeps its result, the reward of every reward function for
@@ -64,6 +64,7 @@ from __future__ import annotations
 import dataclasses
 import inspect
 import numbers
+import warnings
 
 import numpy as np
 import torch
@@ -106,15 +107,23 @@ def check_trl(trainer_class: type = GRPOTrainer) -> None:
 
 
 check_trl()
+if trl.__version__ != TESTED_TRL:  # the signatures match, but what the methods do may have changed: said once, at import
+    warnings.warn(f"trl_pods was tested with trl {TESTED_TRL}; this is trl {trl.__version__}, whose GRPOTrainer it has not "
+                  f"been checked against: pip install -r requirements-trl.txt for the tested one", stacklevel=2)
 
 
-def check_config(args: GRPOConfig, m: int, rule: str) -> None:
-    """One-line ValueErrors for settings under which keeping m of n rollouts would go wrong."""
-    n, B, S = args.num_generations, args.per_device_train_batch_size, args.steps_per_generation
+def check_config(args: GRPOConfig | None, m: int, rule: str) -> None:
+    """One-line ValueErrors for settings under which keeping m of n rollouts would go wrong (without `args`, TRL's
+    default config not made yet: those of m and rule alone, checked before the model loads)."""
     if rule not in pods.RULES:
         raise ValueError(f"rule={rule!r} is not a down-sampling rule; choose one of {', '.join(sorted(pods.RULES))}")
     if isinstance(m, bool) or not isinstance(m, numbers.Integral):  # m=3.0 passed the checks and failed at the first step
         raise ValueError(f"m={m!r} must be a whole number: the rollouts kept per prompt")
+    if args is None:
+        if m < 2:
+            raise ValueError(f"m={m} must be at least 2 (grpo.group_advantages needs two kept rewards per prompt)")
+        return
+    n, B, S = args.num_generations, args.per_device_train_batch_size, args.steps_per_generation
     if not 2 <= m <= n:
         raise ValueError(f"m={m} must be between 2 (grpo.group_advantages needs two kept rewards per prompt) "
                          f"and num_generations={n}")
@@ -151,14 +160,12 @@ class PODSGRPOTrainer(GRPOTrainer):
     """
 
     def __init__(self, *args, m: int, rule: str = "max_variance", **kwargs):
-        config = kwargs.get("args", args[2] if len(args) > 2 else None)
-        if config is not None:
-            check_config(config, m, rule)  # before the model loads; again below for TRL's default config
+        check_config(kwargs.get("args", args[2] if len(args) > 2 else None), m, rule)  # before the model loads
         super().__init__(*args, **kwargs)
         missing = [name for name in TRL_ATTRIBUTES if not hasattr(self, name)]
         if missing:
             raise RuntimeError(version_error(f"GRPOTrainer has no {', '.join(missing)}"))
-        check_config(self.args, m, rule)
+        check_config(self.args, m, rule)  # again, with TRL's default config where none was given
         self.m, self.rule = m, rule
         self.rewards_per_func = None  # the last generation batch's rewards, every process's rows
 
@@ -217,9 +224,13 @@ def task_dataset(dataset: str = "gsm8k", split: str = "train", count: int | None
     """train.py's task as a TRL dataset: each row's `prompt` is train.py's chat (its system prompt asking for
     <think>/<answer>, then the question) and its `answer` the reference answer, which TRL hands to reward
     functions by column name (task_reward). `dataset` takes what train.py --dataset does (gsm8k, a .jsonl
-    file, arith, arith:2); `count` keeps the first rows."""
+    file, arith, arith:2); `split` is "train" or "test"; `count` keeps the first rows (None: all)."""
     from datasets import Dataset
 
+    if split not in ("train", "test"):  # (the built-in task has no other, and returned its training problems)
+        raise ValueError(f"split={split!r} must be 'train' or 'test'")
+    if count is not None and (isinstance(count, bool) or not isinstance(count, numbers.Integral) or count < 1):
+        raise ValueError(f"count={count!r} must be a whole number >= 1, or None for every row")  # (-1 dropped the last row)
     examples = data.load_examples(dataset, split)[:count]
     return Dataset.from_dict({
         "prompt": [rewards.chat_messages(e.question) for e in examples],

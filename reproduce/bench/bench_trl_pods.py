@@ -142,13 +142,20 @@ def main() -> int:
         sys.exit(f"--micro-batch {args.micro_batch} must be 4, 8, 16 or 32")
     if not 0 <= args.warmup_steps < args.max_steps:
         sys.exit(f"--warmup-steps {args.warmup_steps} must be below --max-steps {args.max_steps}")
+    if args.max_new_tokens < 1:
+        sys.exit(f"--max-new-tokens {args.max_new_tokens} must be >= 1")
+    if args.threads < 0:
+        sys.exit(f"--threads {args.threads} must be >= 0 (0: torch's default)")
     if args.threads:
         torch.set_num_threads(args.threads)
     import transformers
     import trl
 
     transformers.logging.set_verbosity_error()
-    model_path = models.local_model_path(args.model)
+    try:
+        model_path = models.local_model_path(args.model)
+    except models.SetupError as err:  # a directory that is not there, a hub name offline
+        sys.exit(f"error: {err}")
     print(f"torch {torch.__version__}, transformers {transformers.__version__}, trl {trl.__version__}, "
           f"{torch.get_num_threads()} threads, model {model_path}")
     results = [(name, m, run(name, m, args, model_path)[args.warmup_steps:]) for name, m in CONFIGS]
