@@ -257,8 +257,11 @@ def test_one_batch_keeps_m_rows_per_prompt_with_kept_advantages_and_grpo_loss_gr
     # (a) exactly the rows pods.downsample picks, m per prompt, reach the loss
     picked = pods.downsample(r, M, "max_variance", group_size=N)
     assert Counter(i // N for i in picked) == {g: M for g in range(len(generation_batch) // N)}
+    width = int(full["completion_mask"][picked].any(dim=0).nonzero().max()) + 1  # the longest kept completion's
+    assert not full["completion_mask"][picked][:, width:].any()
     for key in trl_pods.ROW_KEYS & set(full) - {"advantages"}:
-        assert torch.equal(kept[key], full[key][picked]), key
+        cut = key in trl_pods.COMPLETION_KEYS and full[key].dim() == 2 and full[key].size(1) == full["completion_mask"].size(1)
+        assert torch.equal(kept[key], full[key][picked][:, :width] if cut else full[key][picked]), key
     assert [len(b["prompt_ids"]) for b in loss_inputs] == [MICRO_BATCH * M // N] * STEPS
     assert sum((rows(b) for b in loss_inputs), Counter()) == rows(kept)
 
@@ -302,6 +305,20 @@ def one_process_trainer(n: int, m: int) -> SimpleNamespace:
     """What PODSGRPOTrainer.downsample_batch reads of its trainer, on one process."""
     return SimpleNamespace(num_generations=n, m=m, rule="max_variance", selection_rng=lambda: None,
                            accelerator=SimpleNamespace(gather=lambda t: t), _metrics={"train": defaultdict(list)})
+
+
+def test_kept_completions_are_cut_after_the_longest_kept_one_and_one_column_stays_when_all_are_masked(trl_pods):
+    """TRL pads every row to the longest of all n: a dropped longest completion left its padding in every kept row."""
+    mask = torch.tensor([[1, 1, 0, 0, 0], [1, 1, 1, 0, 0]])
+    kept = {"completion_ids": torch.arange(10).view(2, 5), "completion_mask": mask, "old_per_token_logps": torch.ones(2, 5),
+            "importance_sampling_ratio": torch.ones(2, 1), "prompt_ids": torch.ones(2, 5), "advantages": torch.ones(2)}
+    trimmed = trl_pods.trim_completions(kept)
+    assert trimmed["completion_ids"].tolist() == [[0, 1, 2], [5, 6, 7]] and trimmed["completion_mask"].tolist() == mask[:, :3].tolist()
+    assert trimmed["old_per_token_logps"].shape == (2, 3)
+    assert {k: v.shape for k, v in trimmed.items() if k in ("importance_sampling_ratio", "prompt_ids", "advantages")} == \
+        {"importance_sampling_ratio": (2, 1), "prompt_ids": (2, 5), "advantages": (2,)}  # per sequence, and the prompts: as they were
+    masked = trl_pods.trim_completions(kept | {"completion_mask": torch.zeros(2, 5, dtype=torch.long)})  # truncated rows, all masked
+    assert masked["completion_ids"].shape == (2, 1)
 
 
 def test_a_rollout_without_any_reward_stops_every_process_not_only_its_own(trl_pods):
@@ -387,6 +404,16 @@ def test_with_truncated_completions_masked_pods_counts_and_logs_what_trl_does_fo
     logged = {key: values[-1] for key, values in trainer._metrics["train"].items()}
     for name in ("reward", "reward_std", "frac_reward_zero_std"):
         assert logged[f"pods/{name}"] == pytest.approx(logged[name], abs=1e-6), name
+
+    # padding cut (trim_completions) leaves the loss TRL computes as it was: here the rows that reach the last column masked
+    reach = kept["completion_mask"][:, -1:].bool()
+    uncut = kept | {"completion_mask": kept["completion_mask"] * ~reach}
+    cut = trl_pods.trim_completions(uncut)
+    assert 1 < cut["completion_ids"].size(1) < uncut["completion_ids"].size(1)
+    trainer.current_gradient_accumulation_steps = 1  # (set by Trainer's training loop)
+    with torch.no_grad():
+        losses = [float(trainer.compute_loss(trainer.model, inputs)) for inputs in (cut, uncut)]
+    assert losses[0] == pytest.approx(losses[1], abs=1e-6) and losses[0] != 0
 
     trainer.m = M
     picked = pods.downsample(r, M, "max_variance", group_size=N)

@@ -21,7 +21,8 @@ What it overrides in GRPOTrainer, and why:
 - `_calculate_rewards`: calls TRL's and keeps its result, the reward of every reward function for
   every rollout of every process, so the selection uses exactly the rewards TRL scored.
 - `_generate_and_score_completions`: after TRL's (generate, score, advantages over all n), keeps m
-  rows per prompt group and recomputes `advantages` and `num_items_in_batch` for them. It is the
+  rows per prompt group (their completions padded to the longest kept one only: `trim_completions`)
+  and recomputes `advantages` and `num_items_in_batch` for them. It is the
   last point before `_prepare_inputs` shuffles the generation batch and splits it into
   `steps_per_generation` micro-batches, so every micro-batch, and TRL's unchanged `compute_loss`,
   sees only kept rows: the backward pass runs on m/n of the rollouts, the saving PODS is about.
@@ -83,6 +84,9 @@ TESTED_TRL = "1.16.0"
 ROW_KEYS = {"prompt_ids", "prompt_mask", "completion_ids", "completion_mask", "advantages", "old_per_token_logps",
             "importance_sampling_ratio", "sampling_per_token_logps", "ref_per_token_logps", "tool_mask"}
 BATCH_KEYS = {"num_items_in_batch"}  # one value for the whole batch, recomputed after down-sampling
+# Those of ROW_KEYS that hold a value per completion token, [rows, completion tokens] (importance_sampling_ratio: or [rows, 1])
+COMPLETION_KEYS = {"completion_ids", "completion_mask", "old_per_token_logps", "importance_sampling_ratio",
+                   "sampling_per_token_logps", "ref_per_token_logps", "tool_mask"}
 
 # The methods overridden or relied on, with the parameters they have in trl 1.16.0
 TRL_METHODS = {
@@ -200,7 +204,7 @@ class PODSGRPOTrainer(GRPOTrainer):
                                f"prompts are not supported, and trl_pods was tested with trl {TESTED_TRL} (found {trl.__version__})")
         n, m = self.num_generations, self.m
         keep = torch.tensor(pods.downsample(rewards, m, self.rule, group_size=n, rng=self.selection_rng()), device=rewards.device)
-        kept = {key: value[keep] for key, value in batch.items() if key in ROW_KEYS}
+        kept = trim_completions({key: value[keep] for key, value in batch.items() if key in ROW_KEYS})
         kept_rewards = rewards[keep].view(-1, m)
         kept["advantages"] = grpo.group_advantages(kept_rewards).view(-1)  # A_i = (r_i - mean) / (std + 1e-4), kept only
         # TRL's count (truncated rows already zeroed in both masks when mask_truncated_completions), over kept rows
@@ -216,6 +220,18 @@ class PODSGRPOTrainer(GRPOTrainer):
         uniform = ~pods.informative_groups(kept_rewards)  # exactly where group_advantages gives 0 (a float32 std of equal rewards need not be 0)
         metrics["pods/frac_reward_zero_std"].append(float(uniform.mean()))
         return kept
+
+
+def trim_completions(kept: dict) -> dict:
+    """The kept rows' per-token entries cut after the last token any of them keeps in completion_mask: TRL pads every
+    row to the longest of all n completions, which may be one dropped, and the update's forward and backward passes
+    would run over its padding. What is cut is masked out of the attention and the loss alike (TRL's attention mask is
+    the completion mask), so the loss is the same; at least one column stays (TRL reads logits_to_keep=0 as all)."""
+    mask = kept["completion_mask"]
+    used = mask.any(dim=0).nonzero()
+    width, tokens = int(used.max()) + 1 if len(used) else 1, mask.size(1)
+    return {key: value[:, :width] if key in COMPLETION_KEYS and value.dim() == 2 and value.size(1) == tokens else value
+            for key, value in kept.items()}
 
 
 # ----------------------------------------------------------------------------- this project's task, as TRL takes it
