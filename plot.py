@@ -113,6 +113,12 @@ def same_setting(key: str, a, b) -> bool:
     return a == b or (key == "model_resolved" and isinstance(a, str) and isinstance(b, str) and run_dir.same_path(a, b))
 
 
+def backend_as_resolved(config: dict) -> dict:
+    """A run's settings with --backend as it resolved: before 1 December 2026 train.py recorded "auto", which on a CPU
+    is transformers ("hf": vLLM is picked only with a GPU), so that a run of then and one of now compare as alike."""
+    return config | {"backend": "hf"} if config.get("backend") == "auto" and config.get("device") == "cpu" else config
+
+
 def read_json(path: Path, fix: str) -> dict:
     """A run's JSON file (config.json, eval-*.json) as a dict; a damaged one stops with `fix`."""
     try:
@@ -200,7 +206,7 @@ def group_curves(run_dirs: list[Path], results_file: str | None, clock=None
     for run in run_dirs:
         if not (run / "config.json").exists():
             raise PlotError(f"{run} is not a run directory (no config.json)")
-        config = read_json(run / "config.json", "it is the run's settings, written by train.py: copy the run again")
+        config = backend_as_resolved(read_json(run / "config.json", "it is the run's settings, written by train.py: copy the run again"))
         if "model_resolved" not in config:  # a model's own config.json
             raise PlotError(f"{run / 'config.json'} is not a training run's (train.py writes model_resolved, rule, n and m there)")
         check_same_task(run, config, *next(iter(first_config.values()), (run, config)))

@@ -204,7 +204,7 @@ def write_config(out_dir: Path, settings: dict, resumed_step: int | None = None)
     kept = ("dataset",) + (() if model_moved(old.get("model_resolved", ""), settings["model_resolved"]) else ("model", "model_resolved"))
     settings = settings | {k: old[k] for k in kept if k in old}
     history = old.pop("changed_on_resume", [])
-    changed = {k: [old[k], settings[k]] for k in RETUNABLE if k in old and old[k] != settings[k]}
+    changed = {k: [old[k], settings[k]] for k in RETUNABLE if k in old and not unchanged(k, old[k], settings[k])}
     if changed:
         history.append({"step": resumed_step, **changed})
     write_atomic(path, json.dumps(settings | ({"changed_on_resume": history} if history else {}), indent=2))
@@ -247,7 +247,16 @@ RESUME_MUST_MATCH = ("model", "dataset", "n", "m", "rule", "uniform_groups", "lo
 OPTIMIZER_SETTINGS = ("lr", "adam_beta1", "adam_beta2", "weight_decay")  # saved in the optimizer's state; --resume takes the command's
 
 RETUNABLE = (*OPTIMIZER_SETTINGS, "max_grad_norm", "warmup_ratio", "temperature", "max_new_tokens", "beta", "clip_eps", "clip_eps_high",
-             "tis_cap")  # --resume may change these (a warning says so): the same adapter and data, another objective or sampling
+             "tis_cap", "backend")  # --resume may change these (a warning says so): the same adapter and data, another objective or sampling
+
+
+def unchanged(name: str, old, new) -> bool:
+    """Whether setting `name`, recorded in config.json as `old`, is `new`: equal; a path flag naming the same file
+    ("./d.jsonl" and "/home/me/d.jsonl"); or --backend recorded as "auto", as it was before 1 December 2026 (a resume
+    on that machine resolves it alike)."""
+    if name in config.PATH_FLAGS and isinstance(old, str) and isinstance(new, str):
+        return same_path(old, new)
+    return old == new or (name == "backend" and old == "auto")
 
 
 def check_resume_config(out_dir: Path, args, world_size: int = 1, resumed_from: Path | None = None,
@@ -277,9 +286,8 @@ def check_resume_config(out_dir: Path, args, world_size: int = 1, resumed_from: 
     def differing(names: tuple[str, ...]) -> list[str]:  # those of `names` the run saved with another value
         return [k for k in names if k in saved and not same_value(k)]
 
-    def same_value(name: str) -> bool:  # a path flag naming the same file ("./d.jsonl" and "/home/me/d.jsonl") is the same
-        old, new = saved_value(name), getattr(args, name)
-        return old == new or (name in config.PATH_FLAGS and isinstance(old, str) and isinstance(new, str) and same_path(old, new))
+    def same_value(name: str) -> bool:
+        return unchanged(name, saved_value(name), getattr(args, name))
 
     def saved_value(name: str):  # a path as the command line now reads it: "~/d.jsonl" was saved unexpanded before 29 Nov 2026
         return os.path.expanduser(saved[name]) if name in config.PATH_FLAGS and isinstance(saved[name], str) else saved[name]
