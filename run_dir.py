@@ -123,9 +123,11 @@ def held(out_dir: Path, is_main: bool = True):
     """out_dir for this run alone while the block runs: a second train.py on it (a --resume typed while the run still
     trains in another terminal, a job queued twice) stops here in one line, before it writes anything, where the two
     would interleave their checkpoints and metrics rows. The hold is a POSIX lock (lockf) on out_dir/.lock, which the
-    system lets go when the process ends, however it ends (kill -9 too): there is never a stale lock to delete, and the
-    processes it starts (vLLM's engine) do not inherit it. Under torchrun rank 0 holds it for all ranks (`is_main`); a
-    file system without locks (some network ones) holds nothing, with a warning."""
+    system lets go when the process ends, however it ends (kill -9 too): no stale lock is left to delete (a network file
+    system's server may keep one of a crashed machine until its lease ends), and processes it starts (vLLM's engine)
+    do not inherit it. It is the process's own: a second hold in it is not refused,
+    and closing any descriptor of the file in it lets go (nothing else opens .lock). Under torchrun rank 0 holds it for
+    all ranks (`is_main`); a file system without locks (some network ones) holds nothing, with a warning."""
     if not is_main:
         yield
         return
