@@ -1835,6 +1835,10 @@ def test_a_ctrl_c_that_also_ends_the_pipe_reading_the_run_ends_it_as_a_ctrl_c(ti
 
     pipe = Pipe()
     monkeypatch.setattr(sys, "stderr", pipe)
+    import tqdm.std  # tqdm 4.70's refresh leaves its lock held when the write raises (no try/finally): this test's own lock,
+    lock = tqdm.std.TqdmDefaultWriteLock()  # or a later test's bar in another thread (eval.py off the main thread) waits forever
+    lock.locks = [threading.RLock()]
+    monkeypatch.setattr(tqdm.std.tqdm, "_lock", lock, raising=False)
 
     def ctrl_c_to_the_pipeline():
         pipe.gone = True
