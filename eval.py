@@ -50,9 +50,9 @@ import plot
 import progress
 import results
 import rewards
-import run_dir
 import sampling
 import vllm_sampler
+from run_dir import same_path
 
 log = logging.getLogger("pods")
 BASE = "base"  # the name under which a run's untrained starting point is recorded
@@ -117,7 +117,7 @@ def model_weights(path: str, trained: str, moved_to: str | None, base_model: boo
         raise EvalError(f"{trained}, the model {path} was trained from, is not there any more: pass --model with where it is now")
     if moved_to is not None and base_model:
         raise EvalError(f"--model names where a run's model is now; PATH {path} is the model evaluated: leave --model out")
-    if moved_to is not None and not models.missing_path(trained) and not run_dir.same_path(trained, moved_to):
+    if moved_to is not None and not models.missing_path(trained) and not same_path(trained, moved_to):
         where = "which is still there" if os.path.exists(trained) else "a model name, not a directory that has gone"
         raise EvalError(f"{path} was trained from {trained}, {where}: leave --model {moved_to} out")
     return trained if moved_to is None else models.pick_model(moved_to, "cpu")  # (its absolute path; its shape is checked)
@@ -324,8 +324,7 @@ def make_vllm_sampler(model_path: str, tokenizer, sequence_len: int, adapters: l
     lora_rank = max(map(vllm_sampler.adapter_rank, configs.values()), default=8)  # 8: any rank vLLM allows
     return vllm_sampler.VLLMSampler(
         model_path=model_path, tokenizer=tokenizer, max_new_tokens=settings.max_new_tokens,
-        temperature=settings.temperature, lora_rank=lora_rank,
-        max_model_len=sequence_len,
+        temperature=settings.temperature, lora_rank=lora_rank, max_model_len=sequence_len,
         gpu_memory_utilization=options.gpu_memory_utilization, dtype="bfloat16", seed=settings.seed,
         max_num_seqs=VLLM_MAX_NUM_SEQS, kv_cache_gb=options.kv_cache_gb, enforce_eager=options.enforce_eager,
     )
