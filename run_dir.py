@@ -21,6 +21,7 @@ import json
 import logging
 import math
 import os
+import shutil
 import stat
 import uuid
 from pathlib import Path
@@ -127,7 +128,8 @@ def held(out_dir: Path, is_main: bool = True):
     system's server may keep one of a crashed machine until its lease ends), and processes it starts (vLLM's engine)
     do not inherit it. It is the process's own: a second hold in it is not refused,
     and closing any descriptor of the file in it lets go (nothing else opens .lock). Under torchrun rank 0 holds it for
-    all ranks (`is_main`); a file system without locks (some network ones) holds nothing, with a warning."""
+    all ranks (`is_main`); a file system without locks (some network ones) holds nothing, with a warning. Held, it
+    removes what a save cut short by a kill left (checkpoint.save writes .tmp-checkpoint-STEP, then renames it)."""
     if not is_main:
         yield
         return
@@ -147,6 +149,8 @@ def held(out_dir: Path, is_main: bool = True):
         lock.truncate(0)
         lock.write(f"{os.getpid()}\n")  # named in the line above
         lock.flush()
+        for cut_short in out_dir.glob(".tmp-checkpoint-*"):  # a save a kill cut short: no other train.py writes here now
+            shutil.rmtree(cut_short, ignore_errors=True)
         yield
 
 

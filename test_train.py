@@ -656,8 +656,9 @@ def test_a_second_train_py_on_a_run_directory_in_use_exits_2_and_a_killed_holder
     finally:
         holder.kill()
         holder.wait()
+    (out / ".tmp-checkpoint-3").mkdir()  # a save a kill cut short (checkpoint.save renames it into place when whole)
     with run_dir.held(out):
-        assert (out / ".lock").read_text() == f"{os.getpid()}\n"
+        assert (out / ".lock").read_text() == f"{os.getpid()}\n" and not (out / ".tmp-checkpoint-3").exists()
 
 
 def test_a_sampler_that_fails_to_shut_down_neither_hides_the_runs_error_nor_ends_a_finished_run_in_a_traceback(
