@@ -195,8 +195,13 @@ def read_rows(path: Path) -> list[dict]:
 
 
 def drop_rows_after(path: Path, step: int) -> None:
-    """On resume: keep the metrics rows up to the checkpoint's step; the steps after it run again."""
-    write_atomic(path, "".join(metrics_line(r) for r in read_rows(path) if r["step"] <= step))
+    """On resume: keep the metrics rows up to the checkpoint's step; the steps after it run again. Where there are none
+    of those steps (the file deleted, emptied, or not copied with the checkpoints), a warning says so."""
+    kept = [r for r in read_rows(path) if r["step"] <= step]
+    if step and not kept:
+        log.warning("%s holds no row of the %d steps this run continues from (deleted, or not copied with the checkpoints): "
+                    "its rows begin at step %d", path, step, step + 1)
+    write_atomic(path, "".join(map(metrics_line, kept)))
 
 
 def write_config(out_dir: Path, settings: dict, resumed_step: int | None = None) -> None:

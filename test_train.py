@@ -1186,6 +1186,17 @@ def test_metrics_rows_are_strict_json_and_a_nan_written_by_older_code_is_rewritt
     path.write_text('{"step": 1, "elapsed_s": 1.0, "loss": NaN, "grad_norm": Infinity, "skipped": 1}\n{"step": 2, "elapsed_s": 2.0}\n')
     run_dir.drop_rows_after(path, 1)
     assert path.read_text() == '{"step": 1, "elapsed_s": 1.0, "loss": null, "grad_norm": null, "skipped": 1}\n'
+
+
+def test_a_resume_whose_metrics_hold_none_of_its_steps_says_so(tmp_path, caplog):
+    """A run copied without metrics.jsonl (or with it emptied) resumed silently, and its curves began mid-run unexplained."""
+    path = tmp_path / "metrics.jsonl"
+    with caplog.at_level(logging.WARNING, logger="pods"):
+        run_dir.drop_rows_after(path, 0)  # a run that starts: nothing to say
+        assert caplog.text == "" and path.read_text() == ""
+        run_dir.drop_rows_after(path, 4)
+    assert f"{path} holds no row of the 4 steps this run continues from (deleted, or not copied with the checkpoints): " \
+           f"its rows begin at step 5" in caplog.text
     assert run_dir.metrics_line({"step": 2, "loss": float("-inf"), "kl": 0.5}) == '{"step": 2, "loss": null, "kl": 0.5}\n'
 
 
