@@ -61,6 +61,9 @@ def load_results(out: Path, settings: dict, force: bool, model: str) -> list[dic
     if out.suffix.lower() == ".csv":  # the table written beside the results would replace them
         raise ResultsError(f"--out {out} names the .csv table eval.py writes beside its results; name the results, e.g. "
                            f"{out.with_suffix('.json')}")
+    if out.suffix.lower() in (".png", ".pdf", ".svg", ".jpg", ".jpeg"):  # a figure's name: the JSON results were written into it
+        raise ResultsError(f"--out {out} names a figure, and an evaluation writes JSON results: name them, e.g. "
+                           f"{out.with_suffix('.json')}, or draw a figure with --plot RUN_DIR ... --out {out}")
     if not out.exists():
         return []
     stored = plot.read_results(out, "choose another --out, or delete it if it is a damaged one")

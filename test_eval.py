@@ -1214,6 +1214,9 @@ def test_eval_refuses_damaged_inputs_in_one_line(tiny_run, tmp_path, monkeypatch
                                f"run, or evaluate one checkpoint (python eval.py {copied / 'checkpoint-2'})\n")
     assert refused(run, "--out", str(tmp_path / "e.csv")) == (f"error: --out {tmp_path / 'e.csv'} names the .csv table eval.py "
                                                               f"writes beside its results; name the results, e.g. {tmp_path / 'e.json'}\n")
+    figure = tmp_path / "f.png"  # (meant for --plot)
+    assert refused(run, "--out", str(figure)) == (f"error: --out {figure} names a figure, and an evaluation writes JSON results: name "
+                                                  f"them, e.g. {tmp_path / 'f.json'}, or draw a figure with --plot RUN_DIR ... --out {figure}\n")
     (run / "eval-arith.json").mkdir()
     assert evaluation.main(["--plot", str(run), "--out", str(tmp_path / "f.png")]) == 2
     assert capsys.readouterr().err.startswith(f"error: {run / 'eval-arith.json'} is not eval.py's results")
