@@ -303,7 +303,7 @@ def test_one_batch_keeps_m_rows_per_prompt_with_kept_advantages_and_grpo_loss_gr
 
 def one_process_trainer(n: int, m: int) -> SimpleNamespace:
     """What PODSGRPOTrainer.downsample_batch reads of its trainer, on one process."""
-    return SimpleNamespace(num_generations=n, m=m, rule="max_variance", selection_rng=lambda: None,
+    return SimpleNamespace(num_generations=n, m=m, rule="max_variance", selection_rng=lambda: None, pad_to_multiple_of=None,
                            accelerator=SimpleNamespace(gather=lambda t: t), _metrics={"train": defaultdict(list)})
 
 
@@ -319,6 +319,7 @@ def test_kept_completions_are_cut_after_the_longest_kept_one_and_one_column_stay
         {"importance_sampling_ratio": (2, 1), "prompt_ids": (2, 5), "advantages": (2,)}  # per sequence, and the prompts: as they were
     masked = trl_pods.trim_completions(kept | {"completion_mask": torch.zeros(2, 5, dtype=torch.long)})  # truncated rows, all masked
     assert masked["completion_ids"].shape == (2, 1)
+    assert [trl_pods.trim_completions(kept, multiple)["completion_ids"].size(1) for multiple in (2, 4, 128)] == [4, 4, 5]  # TRL's
 
 
 def test_a_rollout_without_any_reward_stops_every_process_not_only_its_own(trl_pods):

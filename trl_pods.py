@@ -95,7 +95,8 @@ TRL_METHODS = {
     "_prepare_inputs": ["self", "generation_batch"],
 }
 # GRPOTrainer attributes read here, all set by trl 1.16.0's __init__
-TRL_ATTRIBUTES = ("num_generations", "reward_weights", "scale_rewards", "multi_objective_aggregation", "_metrics", "_step")
+TRL_ATTRIBUTES = ("num_generations", "reward_weights", "scale_rewards", "multi_objective_aggregation", "_metrics", "_step",
+                  "pad_to_multiple_of")
 
 
 def version_error(what: str) -> str:
@@ -204,7 +205,7 @@ class PODSGRPOTrainer(GRPOTrainer):
                                f"prompts are not supported, and trl_pods was tested with trl {TESTED_TRL} (found {trl.__version__})")
         n, m = self.num_generations, self.m
         keep = torch.tensor(pods.downsample(rewards, m, self.rule, group_size=n, rng=self.selection_rng()), device=rewards.device)
-        kept = trim_completions({key: value[keep] for key, value in batch.items() if key in ROW_KEYS})
+        kept = trim_completions({key: value[keep] for key, value in batch.items() if key in ROW_KEYS}, self.pad_to_multiple_of)
         kept_rewards = rewards[keep].view(-1, m)
         kept["advantages"] = grpo.group_advantages(kept_rewards).view(-1)  # A_i = (r_i - mean) / (std + 1e-4), kept only
         # TRL's count (truncated rows already zeroed in both masks when mask_truncated_completions), over kept rows
@@ -222,14 +223,17 @@ class PODSGRPOTrainer(GRPOTrainer):
         return kept
 
 
-def trim_completions(kept: dict) -> dict:
+def trim_completions(kept: dict, multiple: int | None = None) -> dict:
     """The kept rows' per-token entries cut after the last token any of them keeps in completion_mask: TRL pads every
     row to the longest of all n completions, which may be one dropped, and the update's forward and backward passes
     would run over its padding. What is cut is masked out of the attention and the loss alike (TRL's attention mask is
-    the completion mask), so the loss is the same; at least one column stays (TRL reads logits_to_keep=0 as all)."""
+    the completion mask), so the loss is the same; at least one column stays (TRL reads logits_to_keep=0 as all). The
+    width stays a multiple of GRPOConfig's pad_to_multiple_of (`multiple`; 128 on Neuron, which compiles per shape)."""
     mask = kept["completion_mask"]
     used = mask.any(dim=0).nonzero()
     width, tokens = int(used.max()) + 1 if len(used) else 1, mask.size(1)
+    if multiple:
+        width = min(tokens, -(-width // multiple) * multiple)
     return {key: value[:, :width] if key in COMPLETION_KEYS and value.dim() == 2 and value.size(1) == tokens else value
             for key, value in kept.items()}
 
