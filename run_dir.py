@@ -146,11 +146,13 @@ def held(out_dir: Path, is_main: bool = True):
                 raise config.UsageError(f"--out-dir {out_dir} is in use by another train.py (process {lock.read().strip() or '?'}): "
                                         f"let it finish, or stop it (Ctrl-C saves a checkpoint) and --resume; or choose another --out-dir") from None
             log.warning("--out-dir %s cannot be locked (%s): nothing stops a second train.py from writing there", out_dir, err.strerror)
+        else:  # held: no other train.py writes here now, so a save a kill cut short can go
+            for cut_short in out_dir.glob(".tmp-checkpoint-*"):
+                if cut_short.name.removeprefix(".tmp-checkpoint-").isdigit():
+                    shutil.rmtree(cut_short, ignore_errors=True)
         lock.truncate(0)
         lock.write(f"{os.getpid()}\n")  # named in the line above
         lock.flush()
-        for cut_short in out_dir.glob(".tmp-checkpoint-*"):  # a save a kill cut short: no other train.py writes here now
-            shutil.rmtree(cut_short, ignore_errors=True)
         yield
 
 

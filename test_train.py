@@ -657,8 +657,10 @@ def test_a_second_train_py_on_a_run_directory_in_use_exits_2_and_a_killed_holder
         holder.kill()
         holder.wait()
     (out / ".tmp-checkpoint-3").mkdir()  # a save a kill cut short (checkpoint.save renames it into place when whole)
+    (out / ".tmp-checkpoint-notes").mkdir()  # not checkpoint.save's
     with run_dir.held(out):
         assert (out / ".lock").read_text() == f"{os.getpid()}\n" and not (out / ".tmp-checkpoint-3").exists()
+    assert (out / ".tmp-checkpoint-notes").is_dir()
 
 
 def test_a_sampler_that_fails_to_shut_down_neither_hides_the_runs_error_nor_ends_a_finished_run_in_a_traceback(
@@ -1186,6 +1188,7 @@ def test_metrics_rows_are_strict_json_and_a_nan_written_by_older_code_is_rewritt
     path.write_text('{"step": 1, "elapsed_s": 1.0, "loss": NaN, "grad_norm": Infinity, "skipped": 1}\n{"step": 2, "elapsed_s": 2.0}\n')
     run_dir.drop_rows_after(path, 1)
     assert path.read_text() == '{"step": 1, "elapsed_s": 1.0, "loss": null, "grad_norm": null, "skipped": 1}\n'
+    assert run_dir.metrics_line({"step": 2, "loss": float("-inf"), "kl": 0.5}) == '{"step": 2, "loss": null, "kl": 0.5}\n'
 
 
 def test_a_resume_whose_metrics_hold_none_of_its_steps_says_so(tmp_path, caplog):
@@ -1197,7 +1200,6 @@ def test_a_resume_whose_metrics_hold_none_of_its_steps_says_so(tmp_path, caplog)
         run_dir.drop_rows_after(path, 4)
     assert f"{path} holds no row of the 4 steps this run continues from (deleted, or not copied with the checkpoints): " \
            f"its rows begin at step 5" in caplog.text
-    assert run_dir.metrics_line({"step": 2, "loss": float("-inf"), "kl": 0.5}) == '{"step": 2, "loss": null, "kl": 0.5}\n'
 
 
 @pytest.mark.parametrize("flag", [["--m", "8"], ["--steps=3"], ["--uniform-groups", "skip"], ["--time-budget", "bogus"]])
