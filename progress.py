@@ -210,7 +210,8 @@ def out_of_memory_line(out_dir: Path) -> str:
     except (OSError, ValueError):
         ran = {}
     switches = [] if ran.get("gradient_checkpointing") else ["--gradient-checkpointing"]
-    if ran.get("device") == "cuda" and not ran.get("vllm_sleep") and ran.get("backend") == "vllm":  # (as resolved)
+    vllm = ran.get("backend") == "vllm" or (ran.get("backend") == "auto" and vllm_sampler.vllm_available())  # auto: before 1 Dec 2026
+    if ran.get("device") == "cuda" and not ran.get("vllm_sleep") and vllm:
         switches.append("--vllm-sleep")  # vLLM's KV cache freed during the update
     switch = f" or pass {' or '.join(switches)}" if switches else ""
     return f"error: out of memory; lower --micro-batch (or --n, --prompts-per-step, --max-new-tokens){switch}, then {again}"

@@ -1641,8 +1641,10 @@ def test_out_of_memory_in_the_update_ends_with_one_line_and_the_run_continues_as
 
 def test_the_out_of_memory_line_offers_only_the_switches_the_run_had_off(tmp_path, monkeypatch):
     """It said "or pass --gradient-checkpointing" on a GPU, where the profile has it on, and never named --vllm-sleep."""
+    monkeypatch.setattr(vllm_sampler, "vllm_available", lambda: True)  # (a run recorded before 1 December 2026 says "auto")
     advice = f"then run the same command with --resume auto (no checkpoint was saved in {tmp_path})"
     for ran, switch in (({"device": "cuda", "backend": "vllm", "gradient_checkpointing": True, "vllm_sleep": False}, " or pass --vllm-sleep"),
+                        ({"device": "cuda", "backend": "auto", "gradient_checkpointing": True}, " or pass --vllm-sleep"),
                         ({"device": "cuda", "backend": "hf", "gradient_checkpointing": True}, ""),
                         ({"device": "cuda", "backend": "vllm", "gradient_checkpointing": True, "vllm_sleep": True}, ""),
                         ({"device": "cpu", "backend": "vllm", "gradient_checkpointing": False}, " or pass --gradient-checkpointing")):
