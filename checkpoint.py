@@ -33,6 +33,7 @@ class CheckpointError(RuntimeError):
 
 
 CHECKPOINT_FILES = ("adapter_model.safetensors", "training_state.pt", "trainer_state.json")
+ASIDE = ".tmp-"  # save writes checkpoint-STEP as .tmp-checkpoint-STEP, then renames it whole
 
 
 def find(out_dir: Path, needs: tuple[str, ...] = CHECKPOINT_FILES) -> list[Path]:
@@ -72,7 +73,7 @@ def save(out_dir: Path, model, optimizer, scheduler, state: dict, rng: np.random
     path = out_dir / f"checkpoint-{state['step']}"
     random_states = distributed.gather(random_state(rng), world)
     if world.is_main:
-        tmp = out_dir / f".tmp-{path.name}"
+        tmp = out_dir / f"{ASIDE}{path.name}"
         shutil.rmtree(tmp, ignore_errors=True)
         try:
             # save_embedding_layers=False: with "auto", peft asks the model hub about a hub model at every save
@@ -90,6 +91,14 @@ def save(out_dir: Path, model, optimizer, scheduler, state: dict, rng: np.random
         tmp.rename(path)
     distributed.barrier(world)
     return path
+
+
+def remove_cut_short(out_dir: Path) -> None:
+    """Remove the checkpoints a kill during `save` left aside (.tmp-checkpoint-STEP): called only by the process that
+    holds out_dir (run_dir.held), so none of them is a save in flight."""
+    for aside in out_dir.glob(f"{ASIDE}checkpoint-*"):
+        if aside.name.removeprefix(f"{ASIDE}checkpoint-").isdigit():
+            shutil.rmtree(aside, ignore_errors=True)
 
 
 def load(path: Path, model, optimizer, scheduler, rng: np.random.Generator,

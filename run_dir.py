@@ -21,14 +21,13 @@ import json
 import logging
 import math
 import os
-import shutil
 import stat
 import uuid
 from pathlib import Path
 
 import config
 import model as models
-from checkpoint import CHECKPOINT_FILES, CheckpointError, find, is_number
+from checkpoint import CHECKPOINT_FILES, CheckpointError, find, is_number, remove_cut_short
 
 log = logging.getLogger("pods")
 
@@ -119,6 +118,9 @@ def make_out_dir(out_dir: Path) -> None:
         raise config.UsageError(f"--out-dir {out_dir} is not writable; choose another --out-dir")
 
 
+LOCK = ".lock"  # in a run's directory: held by the train.py writing there
+
+
 @contextlib.contextmanager
 def held(out_dir: Path, is_main: bool = True):
     """out_dir for this run alone while the block runs: a second train.py on it (a --resume typed while the run still
@@ -126,17 +128,17 @@ def held(out_dir: Path, is_main: bool = True):
     would interleave their checkpoints and metrics rows. The hold is a POSIX lock (lockf) on out_dir/.lock, which the
     system lets go when the process ends, however it ends (kill -9 too): no stale lock is left to delete (a network file
     system's server may keep one of a crashed machine until its lease ends), and processes it starts (vLLM's engine)
-    do not inherit it. It is the process's own: a second hold in it is not refused,
-    and closing any descriptor of the file in it lets go (nothing else opens .lock). Under torchrun rank 0 holds it for
-    all ranks (`is_main`); a file system without locks (some network ones) holds nothing, with a warning. Held, it
-    removes what a save cut short by a kill left (checkpoint.save writes .tmp-checkpoint-STEP, then renames it)."""
+    do not inherit it. It is the process's own: a second hold in it is not refused, and closing any descriptor of the
+    file in it lets go (nothing else opens .lock). Under torchrun rank 0 holds it for all ranks (`is_main`); a file
+    system without locks (some network ones) holds nothing, with a warning. Held, it removes the checkpoints a kill
+    left half-saved (checkpoint.remove_cut_short)."""
     if not is_main:
         yield
         return
     try:
-        lock = open(out_dir / ".lock", "a+")
+        lock = open(out_dir / LOCK, "a+")
     except OSError as err:  # (a directory of that name, a file another user made read-only)
-        raise config.UsageError(f"{out_dir / '.lock'} cannot be opened ({err.strerror}): move it away, or choose another --out-dir") from None
+        raise config.UsageError(f"{out_dir / LOCK} cannot be opened ({err.strerror}): move it away, or choose another --out-dir") from None
     with lock:
         try:
             fcntl.lockf(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
@@ -147,9 +149,7 @@ def held(out_dir: Path, is_main: bool = True):
                                         f"let it finish, or stop it (Ctrl-C saves a checkpoint) and --resume; or choose another --out-dir") from None
             log.warning("--out-dir %s cannot be locked (%s): nothing stops a second train.py from writing there", out_dir, err.strerror)
         else:  # held: no other train.py writes here now, so a save a kill cut short can go
-            for cut_short in out_dir.glob(".tmp-checkpoint-*"):
-                if cut_short.name.removeprefix(".tmp-checkpoint-").isdigit():
-                    shutil.rmtree(cut_short, ignore_errors=True)
+            remove_cut_short(out_dir)
         lock.truncate(0)
         lock.write(f"{os.getpid()}\n")  # named in the line above
         lock.flush()
@@ -297,10 +297,7 @@ def check_resume_config(out_dir: Path, args, world_size: int = 1, resumed_from: 
         must_match = tuple(k for k in must_match if k != "model")
 
     def differing(names: tuple[str, ...]) -> list[str]:  # those of `names` the run saved with another value
-        return [k for k in names if k in saved and not same_value(k)]
-
-    def same_value(name: str) -> bool:
-        return unchanged(name, saved_value(name), getattr(args, name))
+        return [k for k in names if k in saved and not unchanged(k, saved_value(k), getattr(args, k))]
 
     def saved_value(name: str):  # a path as the command line now reads it: "~/d.jsonl" was saved unexpanded before 29 Nov 2026
         return os.path.expanduser(saved[name]) if name in config.PATH_FLAGS and isinstance(saved[name], str) else saved[name]

@@ -113,7 +113,7 @@ def replay(kept: Path, out_dir: Path) -> Path:
         raise ReplayError(f"{kept} ran with torch {config.get('torch')}, this is {torch.__version__}: install that version to replay it")
     wanted = checkpoint_steps(rows, config["save_every_minutes"], config["save_every_steps"])
     recorded = {r["step"]: r for r in rows}
-    if out_dir.exists() and any(p.name != ".lock" for p in out_dir.iterdir()):  # (a replay that stopped before its first step)
+    if out_dir.exists() and any(p.name != run_dir.LOCK for p in out_dir.iterdir()):  # (a replay that stopped before its first step)
         raise ReplayError(f"{out_dir} is not empty: remove it first (a replay starts from step 0)")
 
     save = checkpoint.save
