@@ -122,7 +122,7 @@ LOCK = ".lock"  # in a run's directory: held by the train.py writing there
 
 
 @contextlib.contextmanager
-def held(out_dir: Path, is_main: bool = True):
+def held(out_dir: Path, is_main: bool = True, found: list[Path] | None = None):
     """out_dir for this run alone while the block runs: a second train.py on it (a --resume typed while the run still
     trains in another terminal, a job queued twice) stops here in one line, before it writes anything, where the two
     would interleave their checkpoints and metrics rows. The hold is a POSIX lock (lockf) on out_dir/.lock, which the
@@ -131,7 +131,8 @@ def held(out_dir: Path, is_main: bool = True):
     do not inherit it. It is the process's own: a second hold in it is not refused, and closing any descriptor of the
     file in it lets go (nothing else opens .lock). Under torchrun rank 0 holds it for all ranks (`is_main`); a file
     system without locks (some network ones) holds nothing, with a warning. Held, it removes the checkpoints a kill
-    left half-saved (checkpoint.remove_cut_short)."""
+    left half-saved (checkpoint.remove_cut_short), and refuses where the checkpoints are no longer `found`, those the
+    run's decisions were made from (another train.py saved one, stopping, after this one looked and before it held)."""
     if not is_main:
         yield
         return
@@ -150,6 +151,9 @@ def held(out_dir: Path, is_main: bool = True):
             log.warning("--out-dir %s cannot be locked (%s): nothing stops a second train.py from writing there", out_dir, err.strerror)
         else:  # held: no other train.py writes here now, so a save a kill cut short can go
             remove_cut_short(out_dir)
+            if found is not None and found_in(out_dir) != found:
+                raise config.UsageError(f"--out-dir {out_dir} changed as this train.py started (another one saved a checkpoint "
+                                        f"there as it stopped): run the command again")
         lock.truncate(0)
         lock.write(f"{os.getpid()}\n")  # named in the line above
         lock.flush()

@@ -663,6 +663,27 @@ def test_a_second_train_py_on_a_run_directory_in_use_exits_2_and_a_killed_holder
     assert (out / ".tmp-checkpoint-notes").is_dir()
 
 
+def test_a_checkpoint_saved_between_looking_and_holding_the_run_directory_exits_2(tmp_path, capsys, monkeypatch):
+    """train.py decides from the checkpoints it finds (start or continue, from which one) before it takes the lock:
+    another train.py stopping in that moment (its last save) left this one continuing from an older checkpoint, the
+    newer one's steps trained twice. It now looks again once it holds the directory."""
+    monkeypatch.setattr(train, "load_trainable_policy", lambda *a: pytest.fail("loaded the model"))
+    make_out_dir = run_dir.make_out_dir
+
+    def the_other_run_saves(out_dir):
+        make_out_dir(out_dir)
+        (out_dir / "checkpoint-2").mkdir()
+        for name in checkpoint.CHECKPOINT_FILES:
+            (out_dir / "checkpoint-2" / name).write_text("")
+
+    monkeypatch.setattr(run_dir, "make_out_dir", the_other_run_saves)
+    out = tmp_path / "run"
+    assert train.main(["--out-dir", str(out), "--dataset", "arith", "--resume", "auto"]) == 2
+    assert capsys.readouterr().err == (f"error: --out-dir {out} changed as this train.py started (another one saved a "
+                                       f"checkpoint there as it stopped): run the command again\n")
+    assert sorted(p.name for p in out.iterdir()) == [".lock", "checkpoint-2"]
+
+
 def test_a_sampler_that_fails_to_shut_down_neither_hides_the_runs_error_nor_ends_a_finished_run_in_a_traceback(
         tiny_model_dir, tmp_path, monkeypatch, capsys, caplog, length_rewards):
     """sampler.close() in train()'s finally: an error there replaced the one on its way out (the one line said) and

@@ -297,7 +297,7 @@ def train(args: Args, world: distributed.World = distributed.World()) -> Path:
     config.check_torchrun(device, world)
     examples = data.load_examples(args.dataset, "train", seed=args.seed)  # a missing dataset stops the run
     run_dir.make_out_dir(out_dir)
-    with run_dir.held(out_dir, world.is_main):  # a second train.py on --out-dir stops here, before it writes
+    with run_dir.held(out_dir, world.is_main, found):  # a second train.py on --out-dir stops here, before it writes
         distributed.start(world)  # torchrun: meet the other ranks (every rank has passed the checks above)
         distributed.barrier(world)  # ... before rank 0 writes anything into out_dir
         torch.manual_seed(args.seed)  # the LoRA initialisation, the same on every rank
