@@ -27,6 +27,8 @@ import torch
 import rewards
 from decode import CudaGraphDecode, EagerDecode, kv_cache_name, release_cache, reserve_cache, windowed_attention
 
+log = logging.getLogger("pods")
+
 
 @dataclass
 class Rollout:
@@ -64,12 +66,13 @@ def generate_and_score(sampler, batch: list[tuple[list[int], str]], n: int) -> S
 def generate_unless_stopped(sampler, batch: list[tuple[list[int], str]], n: int, stop: dict) -> Scored | None:
     """generate_and_score, or None when a Ctrl-C (`stop["requested"]`) stopped the generation itself (vLLM's engine
     may get the signal too and abort its requests): the policy is then still that of the last finished step, which
-    is what gets saved."""
+    is what gets saved. The error the generation ended in is logged, in case it was not the Ctrl-C's."""
     try:
         return generate_and_score(sampler, batch, n)
-    except Exception:
+    except Exception as err:
         if not stop["requested"]:
             raise
+        log.info("the generation stopped with the Ctrl-C (%r)", err)
         return None
 
 
