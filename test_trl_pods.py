@@ -117,8 +117,8 @@ def evaluate_adapter(trainer, adapter: Path) -> None:
 
 @pytest.mark.parametrize("overrides, m, rule, message", [
     ({}, 4, "best", "rule='best' is not a down-sampling rule; choose one of max_reward, max_variance, random"),
-    ({}, 1, "max_variance", "m=1 must be between 2 (grpo.group_advantages needs two kept rewards per prompt) and num_generations=8"),
-    ({}, 9, "max_variance", "m=9 must be between 2"),
+    ({}, 1, "max_variance", "m=1 must be at least 2 (grpo.group_advantages needs two kept rewards per prompt)"),
+    ({}, 9, "max_variance", "m=9 must be at most num_generations=8: the rollouts kept of those sampled per prompt"),
     ({}, 4.0, "max_variance", "m=4.0 must be a whole number: the rollouts kept per prompt"),  # (an IndexError at the first step)
     # as on one of several processes: GRPOConfig itself checks only the global generation batch
     ({"per_device_train_batch_size": 3, "steps_per_generation": 4}, 4, "max_variance",
@@ -174,7 +174,7 @@ def test_check_trl_fails_with_one_line_naming_the_tested_version(trl_pods):
 
 
 def test_a_bad_setting_fails_before_the_model_loads(trl_pods, tmp_path):
-    with pytest.raises(ValueError, match="^m=1 must be between 2"):  # not the hub error an unknown model would give
+    with pytest.raises(ValueError, match="^m=1 must be at least 2"):  # not the hub error an unknown model would give
         trl_pods.PODSGRPOTrainer(model=str(tmp_path / "no-such-model"), reward_funcs=[trl_pods.task_reward], args=grpo_config(tmp_path), m=1)
     for m, rule, message in ((1, "max_variance", "^m=1 must be at least 2"), (4, "max-variance", "^rule='max-variance' is not"),
                              (4.0, "random", "^m=4.0 must be a whole number")):  # without a config: TRL's default came first

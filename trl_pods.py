@@ -124,14 +124,13 @@ def check_config(args: GRPOConfig | None, m: int, rule: str) -> None:
         raise ValueError(f"rule={rule!r} is not a down-sampling rule; choose one of {', '.join(sorted(pods.RULES))}")
     if isinstance(m, bool) or not isinstance(m, numbers.Integral):  # m=3.0 passed the checks and failed at the first step
         raise ValueError(f"m={m!r} must be a whole number: the rollouts kept per prompt")
+    if m < 2:
+        raise ValueError(f"m={m} must be at least 2 (grpo.group_advantages needs two kept rewards per prompt)")
     if args is None:
-        if m < 2:
-            raise ValueError(f"m={m} must be at least 2 (grpo.group_advantages needs two kept rewards per prompt)")
         return
     n, B, S = args.num_generations, args.per_device_train_batch_size, args.steps_per_generation
-    if not 2 <= m <= n:
-        raise ValueError(f"m={m} must be between 2 (grpo.group_advantages needs two kept rewards per prompt) "
-                         f"and num_generations={n}")
+    if m > n:
+        raise ValueError(f"m={m} must be at most num_generations={n}: the rollouts kept of those sampled per prompt")
     if B * S % n:
         raise ValueError(f"per_device_train_batch_size={B} x steps_per_generation={S} = {B * S} rollouts per process is not a "
                          f"multiple of num_generations={n}: a prompt's rollouts would be split across processes; make it one")
