@@ -36,13 +36,13 @@ CHECKPOINT_FILES = ("adapter_model.safetensors", "training_state.pt", "trainer_s
 ASIDE = ".tmp-"  # save writes checkpoint-STEP as .tmp-checkpoint-STEP, then renames it whole
 
 
-def find(out_dir: Path, needs: tuple[str, ...] = CHECKPOINT_FILES) -> list[Path]:
+def find(out_dir: Path, needs: tuple[str, ...] = CHECKPOINT_FILES, warn: bool = True) -> list[Path]:
     """The complete checkpoint-STEP directories, oldest first: those holding the files `needs` (to resume, all of
     them; eval.py needs the adapter's and the step's). save renames a checkpoint into place only when whole; a
-    directory missing one of its files (copied in part, or damaged) is left out."""
+    directory missing one of its files (copied in part, or damaged) is left out, with a warning (`warn`)."""
     found = [p for p in out_dir.glob("checkpoint-*") if p.is_dir() and p.name.split("-")[-1].isdigit()]
     complete = [p for p in found if all((p / name).is_file() for name in needs)]
-    for p in sorted(set(found) - set(complete)):
+    for p in sorted(set(found) - set(complete)) if warn else ():
         log.warning("%s is incomplete (it lacks %s): not used", p, ", ".join(n for n in needs if not (p / n).is_file()))
     return sorted(complete, key=lambda p: int(p.name.split("-")[-1]))
 

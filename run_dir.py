@@ -151,7 +151,7 @@ def held(out_dir: Path, is_main: bool = True, found: list[Path] | None = None):
             log.warning("--out-dir %s cannot be locked (%s): nothing stops a second train.py from writing there", out_dir, err.strerror)
         else:  # held: no other train.py writes here now, so a save a kill cut short can go
             remove_cut_short(out_dir)
-            if found is not None and found_in(out_dir) != found:
+            if found is not None and find(out_dir, warn=False) != found:  # (its incomplete ones were named as it looked)
                 raise config.UsageError(f"--out-dir {out_dir} changed as this train.py started (another one saved a checkpoint "
                                         f"there as it stopped): run the command again")
         lock.truncate(0)
